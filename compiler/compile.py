@@ -1,0 +1,104 @@
+"""``kiln compile``: model -> ONNX -> passes -> Relax -> kernels -> artifact."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kiln.runtime.artifact import LIBRARY_FILE, PARAMS_FILE, SCHEMA_VERSION, FunctionSpec, Manifest
+from kiln.runtime.version import __version__
+
+from .artifact_writer import write_artifact, write_params
+from .export.onnx_export import ExportedGraphs, export_graphs
+from .lower.build import build_module, cuda_compile_mode
+from .models.source import ModelSource, resolve_model
+from .passes.pipeline import run_passes
+from .targets import TargetSpec
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    target: TargetSpec
+    context_length: int | None = None
+    dump_dir: Path | None = None
+
+    def __post_init__(self):
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+
+
+Log = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _step(log: Log, what: str):
+    start = time.perf_counter()
+    log(f"{what} ...")
+    yield
+    log(f"{what}: {time.perf_counter() - start:.1f}s")
+
+
+def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions, log: Log = lambda _: None) -> Path:
+    source = resolve_model(model, options.context_length)
+    with _step(log, "load weights"):
+        module = source.build_module()
+    with _step(log, "export ONNX"):
+        graphs = export_graphs(module)
+    del module
+    graphs = run_passes(graphs, options.dump_dir, log)
+    return compile_graphs(source, graphs, out_dir, options, log)
+
+
+def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | Path, options: CompileOptions,
+                   log: Log = lambda _: None) -> Path:
+    import tvm
+
+    config = source.config
+    target_info = options.target.info()
+    with _step(log, f"build for {options.target.key}"):
+        executable, params = build_module(dict(graphs.items()), options.target)
+
+    weights = _initializer_arrays(graphs)
+
+    def build(tmp: Path):
+        with _step(log, "write artifact"):
+            with cuda_compile_mode(options.target):
+                executable.export_library(str(tmp / LIBRARY_FILE))
+            entries = write_params(tmp / PARAMS_FILE, [(p.name, weights[p.name]) for p in params.specs])
+            tokenizer_files = source.load_tokenizer().write(tmp)
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            kiln_version=__version__,
+            tvm_version=str(tvm.__version__),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            source=source.origin,
+            model=config,
+            target=target_info,
+            quantization="fp32",
+            activation_dtype="float32",
+            kv_cache={"layout": "explicit", "dtype": "float32", "num_layers": config.num_layers,
+                      "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim},
+            functions={name: FunctionSpec(tuple(v.name for v in g.graph.inputs),
+                                          tuple(v.name for v in g.graph.outputs))
+                       for name, g in graphs.items()},
+            params=entries,
+            files={},
+        )
+        return manifest, [LIBRARY_FILE, PARAMS_FILE, *tokenizer_files]
+
+    return write_artifact(Path(out_dir), build)
+
+
+def _initializer_arrays(graphs: ExportedGraphs) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for _, model in graphs.items():
+        for name, value in model.graph.initializers.items():
+            if name not in out and value.const_value is not None:
+                out[name] = value.const_value.numpy()
+    return out

@@ -1,0 +1,44 @@
+"""Relax IRModule -> compiled VM executable for one target."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import onnx_ir as ir
+
+from ..targets import TargetSpec
+from .importer import ParamTable, import_graphs
+from .pipeline import relax_pipeline
+
+
+@contextlib.contextmanager
+def cuda_compile_mode(target: TargetSpec):
+    """CUDA kernels go through nvcc into a real sm_XX fatbin: TVM's default nvrtc mode
+    needs cuda-python and the default export embeds CUDA source instead of machine code."""
+    if target.kind != "cuda":
+        yield
+        return
+    previous = os.environ.get("TVM_CUDA_COMPILE_MODE")
+    os.environ["TVM_CUDA_COMPILE_MODE"] = "nvcc"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TVM_CUDA_COMPILE_MODE", None)
+        else:
+            os.environ["TVM_CUDA_COMPILE_MODE"] = previous
+
+
+def build_module(graphs: dict[str, ir.Model], target: TargetSpec):
+    """Import the graphs into one module and compile it. Returns (executable, params)."""
+    import tvm
+
+    mod, params = import_graphs(graphs)
+    tvm_target = target.tvm_target()
+    with cuda_compile_mode(target):
+        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
+    return executable, params
+
+
+__all__ = ["build_module", "cuda_compile_mode", "ParamTable"]

@@ -1,0 +1,73 @@
+"""What a converter sees while one ONNX graph becomes one Relax function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from tvm import relax, tirx
+
+
+def relax_dtype(dtype: ir.DataType) -> str:
+    """onnx-ir element type -> TVM dtype string."""
+    special = {ir.DataType.BFLOAT16: "bfloat16", ir.DataType.INT4: "int4", ir.DataType.UINT4: "uint4",
+               ir.DataType.BOOL: "bool"}
+    if dtype in special:
+        return special[dtype]
+    return str(np.dtype(dtype.numpy()))
+
+
+@dataclass
+class ConvertContext:
+    bb: relax.BlockBuilder
+    # Symbolic dims of this function, by ONNX dim_param name ("batch", "seq", "past").
+    dims: dict[str, tirx.Var] = field(default_factory=dict)
+    # Values known at compile time (Constant nodes, small initializers), by value name.
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def dim(self, name: str) -> tirx.Var:
+        if name not in self.dims:
+            self.dims[name] = tirx.Var(name, "int64")
+        return self.dims[name]
+
+    def shape_of(self, value: ir.Value) -> list:
+        """A graph value's declared shape with symbolic dims mapped to this function's vars."""
+        if value.shape is None:
+            raise ValueError(f"value {value.name!r} has no declared shape")
+        out = []
+        for d in value.shape:
+            if isinstance(d, int):
+                out.append(d)
+            elif d.value is None:
+                raise ValueError(f"value {value.name!r} has an anonymous dynamic dim")
+            else:
+                out.append(self.dim(str(d.value)))
+        return out
+
+    def constant(self, value: ir.Value | None) -> np.ndarray | None:
+        """The compile-time value of an input, or None when it is only known at run time."""
+        if value is None:
+            return None
+        if value.name in self.constants:
+            return self.constants[value.name]
+        if value.const_value is not None:
+            return value.const_value.numpy()
+        return None
+
+    def emit(self, expr: relax.Expr) -> relax.Expr:
+        return self.bb.emit(expr)
+
+
+def attr(node: ir.Node, name: str, default=None):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def shape(expr: relax.Expr) -> list:
+    """The shape of an emitted Relax tensor as a list of PrimExprs."""
+    return list(expr.ty.shape.values)
+
+
+def dtype(expr: relax.Expr) -> str:
+    return str(expr.ty.dtype)

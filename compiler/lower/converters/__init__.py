@@ -1,0 +1,3 @@
+"""Importing this package registers every Kiln converter (one module per op family)."""
+
+from . import attention, elementwise, linear, norm, rotary, tensor  # noqa: F401

@@ -1,0 +1,111 @@
+"""ONNX (onnx-ir) graphs -> one Relax IRModule, one function per graph.
+
+Kiln imports its graphs itself rather than through TVM's ``from_onnx``: its graphs use a
+small set of standard ops (opset 23 ``Attention``, ``RotaryEmbedding``,
+``RMSNormalization``, ...) plus Kiln's own custom-domain ops, several graphs share one set
+of weights, and the KV state of later stages is a runtime object rather than a tensor.
+Each op's conversion is a registered converter (``registry.py``, ``converters/``).
+
+Function signature: ``fn(*graph_inputs, params) -> (outputs...)`` where ``params`` is a
+tuple of every weight in ``ParamTable`` order. Weights stay function inputs (never
+constants), so TVM never folds them, and quantized weights keep their storage dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+import tvm
+from tvm import relax
+
+from .context import ConvertContext, relax_dtype
+from .registry import lookup
+
+# Initializers with at most this many elements become Relax constants (index tensors,
+# scalars); anything larger is a weight and becomes a parameter.
+CONSTANT_MAX_ELEMENTS = 16
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """Every weight the module's functions take, in the order of the ``params`` tuple."""
+
+    specs: tuple[ParamSpec, ...]
+
+    def index(self) -> dict[str, int]:
+        return {p.name: i for i, p in enumerate(self.specs)}
+
+
+def _is_param(value: ir.Value) -> bool:
+    tensor = value.const_value
+    return tensor is not None and int(np.prod(tensor.shape.numpy())) > CONSTANT_MAX_ELEMENTS
+
+
+def collect_params(graphs: dict[str, ir.Model]) -> ParamTable:
+    """Union of the graphs' weights by name; a name must mean the same tensor in each."""
+    specs: dict[str, ParamSpec] = {}
+    for gname, model in graphs.items():
+        for name, value in model.graph.initializers.items():
+            if not _is_param(value):
+                continue
+            spec = ParamSpec(name, tuple(int(d) for d in value.const_value.shape.numpy()),
+                             relax_dtype(value.const_value.dtype))
+            if name in specs and specs[name] != spec:
+                raise ValueError(f"weight {name!r} differs between graphs ({specs[name]} vs {spec} in {gname})")
+            specs.setdefault(name, spec)
+    return ParamTable(tuple(specs.values()))
+
+
+def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None) -> tuple[tvm.IRModule, ParamTable]:
+    params = params or collect_params(graphs)
+    bb = relax.BlockBuilder()
+    for fname, model in graphs.items():
+        _import_function(bb, fname, model.graph, params)
+    return bb.get(), params
+
+
+def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable) -> None:
+    ctx = ConvertContext(bb=bb)
+    inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
+              for v in graph.inputs]
+    param_tuple = relax.Var("params", relax.TupleType(
+        [relax.TensorType(list(p.shape), p.dtype) for p in params.specs]))
+    index = params.index()
+    values: dict[str, relax.Expr] = {v.name: var for v, var in zip(graph.inputs, inputs)}
+
+    with bb.function(fname, inputs + [param_tuple], {"num_input": len(inputs)}):
+        with bb.dataflow():
+            for name, init in graph.initializers.items():
+                if _is_param(init):
+                    values[name] = bb.emit(relax.TupleGetItem(param_tuple, index[name]), name_hint=_hint(name))
+                else:
+                    array = init.const_value.numpy()
+                    ctx.constants[name] = array
+                    values[name] = relax.const(array)
+            for node in graph:
+                args = [None if v is None or v.name == "" else values[v.name] for v in node.inputs]
+                try:
+                    result = lookup(node)(ctx, node, args)
+                except (ValueError, TypeError, tvm.error.TVMError) as err:
+                    raise ValueError(f"converting {node.op_type} node {node.name!r}: {err}") from err
+                results = result if isinstance(result, (list, tuple)) else [result]
+                for out, expr in zip(node.outputs, results):
+                    if expr is None or out.name == "":
+                        continue
+                    values[out.name] = expr if isinstance(expr, (tvm.ir.expr.Constant, relax.Var)) else bb.emit(expr, name_hint=_hint(out.name))
+            outputs = [values[v.name] for v in graph.outputs]
+            gv = bb.emit_output(relax.Tuple(outputs))
+        bb.emit_func_output(gv)
+
+
+def _hint(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
