@@ -16,7 +16,7 @@ from kiln.runtime.version import __version__
 
 from .artifact_writer import write_artifact, write_params
 from .export.onnx_export import ExportedGraphs, export_graphs
-from .lower.build import build_module, cuda_compile_mode
+from .lower.build import build_module, export_library
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
 from .targets import TargetSpec
@@ -68,8 +68,7 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
 
     def build(tmp: Path):
         with _step(log, "write artifact"):
-            with cuda_compile_mode(options.target):
-                executable.export_library(str(tmp / LIBRARY_FILE))
+            export_library(executable, tmp / LIBRARY_FILE, options.target)
             entries = write_params(tmp / PARAMS_FILE, [(p.name, weights[p.name]) for p in params.specs])
             tokenizer_files = source.load_tokenizer().write(tmp)
         manifest = Manifest(
@@ -102,3 +101,15 @@ def _initializer_arrays(graphs: ExportedGraphs) -> dict[str, np.ndarray]:
             if name not in out and value.const_value is not None:
                 out[name] = value.const_value.numpy()
     return out
+
+
+def default_out_dir(model: str | Path, target: TargetSpec) -> Path:
+    """``artifacts/<model name>-<target key>``: a convenience name only; the manifest,
+    not the folder name, says what an artifact is."""
+    if str(model) == "default":
+        stem = "smollm2-135m-instruct"
+    else:
+        path = Path(model)
+        stem = (path.stem if path.suffix == ".gguf" else path.resolve().name).lower()
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)
+    return Path("artifacts") / f"{safe}-{target.key}"

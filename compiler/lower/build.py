@@ -41,4 +41,15 @@ def build_module(graphs: dict[str, ir.Model], target: TargetSpec):
     return executable, params
 
 
-__all__ = ["build_module", "cuda_compile_mode", "ParamTable"]
+def export_library(executable, path, target: TargetSpec) -> None:
+    """Write ``model.so``. CUDA kernels are packed as an sm_XX fatbin (``cuda_fatbin``)."""
+    from .cuda_fatbin import fatbin_packer
+
+    with cuda_compile_mode(target):
+        if target.kind == "cuda":
+            executable.export_library(str(path), fpack_imports=fatbin_packer(target.arch))
+        else:
+            executable.export_library(str(path))
+
+
+__all__ = ["build_module", "export_library", "ParamTable"]

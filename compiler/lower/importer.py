@@ -93,9 +93,10 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
                     values[name] = relax.const(array)
             for node in graph:
                 args = [None if v is None or v.name == "" else values[v.name] for v in node.inputs]
+                convert = lookup(node)
                 try:
-                    result = lookup(node)(ctx, node, args)
-                except (ValueError, TypeError, tvm.error.TVMError) as err:
+                    result = convert(ctx, node, args)
+                except (ValueError, TypeError, RuntimeError) as err:
                     raise ValueError(f"converting {node.op_type} node {node.name!r}: {err}") from err
                 results = result if isinstance(result, (list, tuple)) else [result]
                 for out, expr in zip(node.outputs, results):

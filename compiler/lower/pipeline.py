@@ -9,14 +9,7 @@ import tvm
 from tvm import relax
 from tvm.relax import transform as T
 
-
-def _schedule_rules(kind: str):
-    from tvm.s_tir import dlight as dl
-
-    if kind == "cuda":
-        return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
-                dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    return [dl.cpu.GEMV(), dl.cpu.Reduction()]
+from .schedule_rules import default_rules
 
 
 def relax_pipeline(target: tvm.target.Target, database=None) -> tvm.transform.Pass:
@@ -41,7 +34,7 @@ def relax_pipeline(target: tvm.target.Target, database=None) -> tvm.transform.Pa
         if database is not None:
             passes.append(T.MetaScheduleApplyDatabase())
         passes += [
-            dl.ApplyDefaultSchedule(*_schedule_rules(kind)),
+            dl.ApplyDefaultSchedule(*default_rules(kind)),
             T.RewriteDataflowReshape(),
             T.ToNonDataflow(),
             T.RemovePurityChecking(),

@@ -1,0 +1,158 @@
+"""Prefill and batch-1 decode speed: the Kiln artifact vs torch eager vs onnxruntime, on
+the same model, the same inputs and this machine, in one run.
+
+    python bench/decode.py ARTIFACT [--prompt-len 512] [--decode-steps 32] [--repeats 5]
+
+Prefill: tokens/s for one prompt of --prompt-len random tokens (batch 1).
+Decode:  tokens/s of --decode-steps single-token steps after that prompt (batch 1,
+         explicit KV carried between steps by each system in its own way).
+Every figure is the median of --repeats runs; ratios are against onnxruntime. The
+machine is shared and noisy: compare ratios from one run, not numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (allocations, lazy initialization)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class KilnSystem:
+    name = "kiln (tvm)"
+
+    def __init__(self, artifact: Path):
+        from kiln.runtime.engine import Engine
+
+        self.ex = Engine.load(artifact)._executor
+
+    def prefill(self, ids):
+        return self.ex.prefill(ids, np.arange(ids.shape[1], dtype=np.int64)[None])
+
+    def decode_steps(self, state, tokens):
+        _, kv = state
+        for i, tok in enumerate(tokens):
+            _, kv = self.ex.decode(np.asarray([[tok]], dtype=np.int64), np.asarray([[kv.length]], dtype=np.int64), kv)
+
+
+class TorchSystem:
+    name = "torch eager"
+
+    def __init__(self, module):
+        import torch
+
+        self.torch, self.module = torch, module
+
+    def prefill(self, ids):
+        with self.torch.no_grad():
+            t = self.torch.from_numpy(ids)
+            return self.module(t, self.torch.arange(ids.shape[1])[None]), ids.shape[1]
+
+    def decode_steps(self, state, tokens):
+        (_, past), length = state
+        torch = self.torch
+        with torch.no_grad():
+            for i, tok in enumerate(tokens):
+                _, past = self.module(torch.tensor([[tok]]), torch.tensor([[length + i]]), past)
+
+
+class OrtSystem:
+    name = "onnxruntime"
+
+    def __init__(self, graphs, workdir: Path):
+        import onnx_ir as ir
+        import onnxruntime as ort
+
+        self.sessions = {}
+        for name, model in graphs.items():
+            path = workdir / f"{name}.onnx"
+            ir.save(model, path, external_data=f"{name}.onnx.data")
+            opts = ort.SessionOptions()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            self.sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.past_names = [i.name for i in self.sessions["decode"].get_inputs()][2:]
+
+    def prefill(self, ids):
+        out = self.sessions["prefill"].run(None, {"input_ids": ids,
+                                                  "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None]})
+        return out, ids.shape[1]
+
+    def decode_steps(self, state, tokens):
+        out, length = state
+        past = out[1:]
+        for i, tok in enumerate(tokens):
+            feeds = {"input_ids": np.asarray([[tok]], dtype=np.int64),
+                     "position_ids": np.asarray([[length + i]], dtype=np.int64)}
+            feeds.update(zip(self.past_names, past))
+            past = self.sessions["decode"].run(None, feeds)[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--model", default=None, help="the artifact's source model [default: from its manifest]")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--systems", default="kiln,torch,onnxruntime")
+    args = ap.parse_args()
+
+    import kiln.compiler  # noqa: F401  (full TVM before the runtime loads)
+    import torch
+
+    from kiln.compiler.export.onnx_export import export_graphs
+    from kiln.compiler.models.source import resolve_model
+    from kiln.runtime.artifact import load_manifest
+
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    manifest = load_manifest(args.artifact)
+    source = resolve_model(args.model or manifest.source, manifest.model.context_length)
+    module = source.build_module()
+    wanted = args.systems.split(",")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, manifest.model.vocab_size, (1, args.prompt_len), dtype=np.int64)
+    tokens = rng.integers(0, manifest.model.vocab_size, args.decode_steps).tolist()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        systems = []
+        if "kiln" in wanted:
+            systems.append(KilnSystem(args.artifact))
+        if "torch" in wanted:
+            systems.append(TorchSystem(module))
+        if "onnxruntime" in wanted:
+            systems.append(OrtSystem(dict(export_graphs(module).items()), Path(tmp)))
+        rows = []
+        for system in systems:
+            prefill_s = _median_time(lambda: system.prefill(ids), args.repeats)
+            state = system.prefill(ids)
+            decode_s = _median_time(lambda: system.decode_steps(state, tokens), args.repeats)
+            rows.append((system.name, args.prompt_len / prefill_s, args.decode_steps / decode_s))
+            print(f"  measured {system.name}", flush=True)
+
+    base = {name: (p, d) for name, p, d in rows}.get("onnxruntime")
+    print(f"\nmodel {manifest.model.name} ({manifest.quantization}), target {manifest.target.key} "
+          f"({manifest.target.mcpu}), {threads} threads, prompt {args.prompt_len}, "
+          f"{args.decode_steps} decode steps, median of {args.repeats}")
+    print(f"{'system':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill vs ort':>15} {'decode vs ort':>14}")
+    for name, p, d in rows:
+        ratio = (f"{p / base[0]:>14.2f}x {d / base[1]:>13.2f}x") if base else ""
+        print(f"{name:<14} {p:>14.1f} {d:>13.1f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m kiln.cli`` == ``kiln``."""
+
+from kiln.cli.main import main
+
+main()

@@ -1,0 +1,61 @@
+"""``kiln compile`` and ``kiln verify`` (need the compiler extras: torch, onnx, ...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .main import cli, handle_errors
+
+TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm_89|sm_90"
+
+
+@cli.command("compile")
+@click.argument("model")
+@click.option("--target", "target", default="llvm", show_default=True, help=TARGET_HELP)
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="artifact folder [default: artifacts/<model>-<target>]")
+@click.option("--context-length", type=int, default=None,
+              help="longest sequence served (prompt + output) [default: the model's, capped at 8192]")
+@click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="write each compiler phase's ONNX graphs here")
+@handle_errors
+def compile_command(model, target, out, context_length, dump_dir):
+    """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
+    from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
+    from kiln.compiler.targets import parse_target
+
+    spec = parse_target(target)
+    options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir)
+    out = out or default_out_dir(model, spec)
+    path = compile_model(model, out, options, log=lambda m: click.echo(m, err=True))
+    click.echo(str(path))
+
+
+@cli.command("verify")
+@click.argument("model")
+@click.option("--context-length", type=int, default=None, help="as for kiln compile")
+@click.option("--artifact", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="also compare this compiled artifact of MODEL against torch")
+@click.option("--batch", type=int, default=2, show_default=True, help="batch size of the random inputs")
+@click.option("--seq", type=int, default=7, show_default=True, help="prompt length of the random inputs")
+@click.option("--seed", type=int, default=None, help="seed of the random inputs [default: fresh]")
+@click.option("--tolerance", type=float, default=1e-3, show_default=True,
+              help="max |difference| of logits and KV allowed")
+@handle_errors
+def verify_command(model, context_length, artifact, batch, seq, seed, tolerance):
+    """Run MODEL's exported ONNX graphs in onnxruntime (and optionally an artifact) against
+    the torch model on fresh random inputs; report the error per graph."""
+    from kiln.compiler.verify import verify_model
+
+    reports = verify_model(model, context_length=context_length, artifact=artifact, batch=batch,
+                           seq=seq, seed=seed, log=lambda m: click.echo(m, err=True))
+    click.echo(f"{'graph':<8} {'backend':<12} {'max|dlogits|':>13} {'max|dKV|':>11} {'rel':>9}")
+    worst = 0.0
+    for r in reports:
+        click.echo(f"{r.graph:<8} {r.backend:<12} {r.logits_error:>13.2e} {r.kv_error:>11.2e} {r.relative_error:>9.2e}")
+        worst = max(worst, r.logits_error, r.kv_error)
+    if worst > tolerance:
+        raise click.ClickException(f"max error {worst:.2e} exceeds the tolerance {tolerance:.1e}")
+    click.echo(f"ok: every graph within {tolerance:.1e}")

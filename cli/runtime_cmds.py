@@ -1,0 +1,78 @@
+"""``kiln generate`` and ``kiln inspect``: runtime only (TVM runtime, numpy, tokenizers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .main import cli, handle_errors
+
+ARTIFACT = click.Path(path_type=Path)
+
+
+@cli.command("inspect")
+@click.argument("artifact", type=ARTIFACT)
+@click.option("--json", "as_json", is_flag=True, help="print the whole manifest as JSON")
+@handle_errors
+def inspect_command(artifact, as_json):
+    """Print ARTIFACT's manifest."""
+    from kiln.runtime.artifact import load_manifest
+
+    m = load_manifest(artifact)
+    if as_json:
+        click.echo(json.dumps(m.to_dict(), indent=2))
+        return
+    c = m.model
+    size = sum(f.bytes for f in m.files.values())
+    target = m.target.key + (f" ({m.target.mcpu})" if m.target.mcpu else "")
+    rows = [
+        ("model", f"{c.name or '?'} [{c.architecture}] from {m.source}"),
+        ("shape", f"{c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} kv, "
+                  f"head_dim {c.head_dim}, ffn {c.intermediate_size}, vocab {c.vocab_size}"),
+        ("context", f"{c.context_length} tokens"),
+        ("target", target),
+        ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {m.activation_dtype}"),
+        ("kv cache", ", ".join(f"{k} {v}" for k, v in m.kv_cache.items())),
+        ("functions", ", ".join(m.functions)),
+        ("files", ", ".join(f"{n} ({f.bytes / 2**20:.1f} MiB)" for n, f in m.files.items())),
+        ("size", f"{size / 2**20:.1f} MiB"),
+        ("built", f"kiln {m.kiln_version}, tvm {m.tvm_version}, {m.created}, schema {m.schema_version}"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:>10}  {value}")
+
+
+@cli.command("generate")
+@click.argument("artifact", type=ARTIFACT)
+@click.argument("prompt")
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--chat", is_flag=True, help="apply the model's chat template to PROMPT as a user message")
+@click.option("--system", default=None, help="system message (implies --chat)")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="print timing to stderr")
+@handle_errors
+def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, seed, stop, chat, system, stats):
+    """Stream a generation for PROMPT from ARTIFACT to the terminal."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=tuple(stop))
+    engine = Engine.load(artifact)
+    request = prompt
+    if chat or system is not None:
+        request = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]
+    result = engine.generate(request, params, on_token=lambda d: click.echo(d.text, nl=False))
+    click.echo()
+    if stats:
+        click.echo(
+            f"[{result.prompt_tokens} prompt + {result.completion_tokens} generated tokens, "
+            f"finish: {result.finish_reason}, first token {result.time_to_first_token_s * 1000:.0f} ms, "
+            f"decode {result.decode_tokens_per_s:.1f} tok/s]", err=True)

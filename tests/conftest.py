@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random checkpoints and compiled artifacts, built once per run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The test process compiles and runs: load the full TVM before kiln.runtime can pick the
+# runtime-only library (runtime-only behaviour is tested in subprocesses).
+import kiln.compiler  # noqa: E402,F401
+from helpers import make_checkpoint  # noqa: E402
+
+
+def _has_cuda_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and Path("/dev/nvidia0").exists()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(variant) -> an HF folder with fresh random weights (cached per variant)."""
+    cache: dict[str, Path] = {}
+
+    def make(variant: str = "llama") -> Path:
+        if variant not in cache:
+            cache[variant] = make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{variant}"), variant)
+        return cache[variant]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory, checkpoint):
+    """compiled(variant, target) -> an artifact folder of that tiny checkpoint (cached)."""
+    from kiln.compiler.compile import CompileOptions, compile_model
+    from kiln.compiler.targets import parse_target
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(variant: str = "llama", target: str = "llvm") -> Path:
+        key = (variant, target)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"art-{variant}-{target.replace(':', '-')}") / "artifact"
+            cache[key] = compile_model(checkpoint(variant), out, CompileOptions(parse_target(target)))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory):
+    """The embedded default model (SmolLM2-135M-Instruct) compiled for this CPU."""
+    from kiln.compiler.compile import CompileOptions, compile_model
+    from kiln.compiler.targets import parse_target
+
+    out = tmp_path_factory.mktemp("smollm2") / "artifact"
+    return compile_model("default", out, CompileOptions(parse_target("llvm"), context_length=2048))
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    from kiln.compiler.models.source import resolve_model
+
+    return resolve_model("default", context_length=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_module(smollm2_source):
+    return smollm2_source.build_module()
