@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -69,8 +70,13 @@ def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, se
     if chat or system is not None:
         request = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": prompt}]
-    result = engine.generate(request, params, on_token=lambda d: click.echo(d.text, nl=False))
+    def show(delta):
+        click.echo(delta.text, nl=False)
+        sys.stdout.flush()
+
+    result = engine.generate(request, params, on_token=show)
     click.echo()
+    sys.stdout.flush()
     if stats:
         click.echo(
             f"[{result.prompt_tokens} prompt + {result.completion_tokens} generated tokens, "

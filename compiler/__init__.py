@@ -8,6 +8,10 @@ compiler loads the full library first when it can, and says so clearly when it c
 import os as _os
 import sys as _sys
 
+from kiln.runtime.threads import configure_threads as _configure_threads
+
+_configure_threads()
+
 if "tvm" not in _sys.modules:
     if _os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
         del _os.environ["TVM_USE_RUNTIME_LIB"]  # inherited from a runtime process: not for us

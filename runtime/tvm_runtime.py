@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 
+from .threads import configure_threads  # noqa: E402
+
 os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+configure_threads()
 
 import tvm  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402

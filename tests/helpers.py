@@ -96,3 +96,14 @@ def load_reference(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def torch_greedy(module, prompt_ids: list[int], steps: int) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` by Kiln's torch model (explicit KV)."""
+    out = []
+    with torch.no_grad():
+        logits, past = module(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids))[None])
+        for i in range(steps):
+            out.append(int(logits[0].argmax()))
+            logits, past = module(torch.tensor([[out[-1]]]), torch.tensor([[len(prompt_ids) + i]]), past)
+    return out

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import torch_greedy
 from kiln.compiler.models.source import resolve_model
 from kiln.runtime.artifact import load_manifest, read_params
 from kiln.runtime.engine import Engine
@@ -42,15 +43,7 @@ def test_greedy_generation_matches_torch(checkpoint, compiled):
     module = resolve_model(checkpoint("llama")).build_module()
     engine = Engine.load(compiled("llama"))
     prompt = "The quick brown fox"
-    ids = engine.tokenizer.encode(prompt)
-    expected = []
-    with torch.no_grad():
-        t = torch.tensor([ids])
-        logits, past = module(t, torch.arange(len(ids))[None])
-        for i in range(24):
-            nxt = int(logits[0].argmax())
-            expected.append(nxt)
-            logits, past = module(torch.tensor([[nxt]]), torch.tensor([[len(ids) + i]]), past)
+    expected = torch_greedy(module, engine.tokenizer.encode(prompt), 24)
     out = engine.generate(prompt, max_tokens=24, ignore_eos=True)
     assert list(out.token_ids) == expected
     assert out.finish_reason == "length" and out.completion_tokens == 24

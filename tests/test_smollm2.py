@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from helpers import torch_greedy
 from kiln.runtime.engine import Engine
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,14 +21,7 @@ def test_chat_answer_is_paris(smollm2_artifact):
 def test_32_greedy_tokens_identical_to_torch(smollm2_artifact, smollm2_module):
     engine = Engine.load(smollm2_artifact)
     prompt = "Once upon a time, in a small village by the sea,"
-    ids = engine.tokenizer.encode(prompt)
-    expected = []
-    with torch.no_grad():
-        logits, past = smollm2_module(torch.tensor([ids]), torch.arange(len(ids))[None])
-        for i in range(32):
-            nxt = int(logits[0].argmax())
-            expected.append(nxt)
-            logits, past = smollm2_module(torch.tensor([[nxt]]), torch.tensor([[len(ids) + i]]), past)
+    expected = torch_greedy(smollm2_module, engine.tokenizer.encode(prompt), 32)
     out = engine.generate(prompt, max_tokens=32, ignore_eos=True)
     assert list(out.token_ids) == expected
 

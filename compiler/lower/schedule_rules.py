@@ -38,4 +38,6 @@ def default_rules(kind: str) -> list[dl.ScheduleRule]:
             StaticInnerOutput(dl.gpu.GeneralReduction()),
             dl.gpu.Fallback(),
         ]
-    return [dl.cpu.GEMV(), dl.cpu.Reduction()]
+    from .schedules import CPUMatmulNN, CPUMatmulNT
+
+    return [CPUMatmulNT(), CPUMatmulNN(), dl.cpu.GEMV(), dl.cpu.Reduction()]

@@ -1,0 +1,5 @@
+"""Kiln's own schedule rules (dlight-style), tried before TVM's defaults."""
+
+from .cpu_matmul import CPUMatmulNN, CPUMatmulNT
+
+__all__ = ["CPUMatmulNN", "CPUMatmulNT"]
