@@ -33,20 +33,40 @@ def _median_time(fn, repeats: int) -> float:
 
 
 class KilnSystem:
+    """The artifact's functions on its paged KV cache, one sequence (batch 1)."""
+
     name = "kiln (tvm)"
 
-    def __init__(self, artifact: Path):
+    def __init__(self, artifact: Path, prompt_len: int, steps: int):
         from kiln.runtime.engine import Engine
+        from kiln.runtime.executor import CacheConfig
 
         self.ex = Engine.load(artifact)._executor
+        self.cache = self.ex.create_cache(CacheConfig(
+            max_batch_size=1, max_total_tokens=prompt_len + steps + 64, prefill_chunk_size=prompt_len,
+            page_size=self.ex.page_size))
+        self.seq = 0
 
     def prefill(self, ids):
-        return self.ex.prefill(ids, np.arange(ids.shape[1], dtype=np.int64)[None])
+        from kiln.runtime.executor import Chunk
+
+        if self.seq:
+            self.cache.remove(self.seq)  # the previous repeat's prompt
+        self.seq += 1
+        self.cache.add(self.seq)
+        self.ex.forward(self.cache, [Chunk(self.seq, tuple(ids[0].tolist()), 0)])
+        return self.seq, ids.shape[1]
 
     def decode_steps(self, state, tokens):
-        _, kv = state
+        from kiln.runtime.executor import Chunk
+
+        seq, length = state
+        # Each repeat decodes from the same prompt: a fork shares the prompt's pages.
+        child = seq + 1_000_000
+        self.cache.fork(seq, child, length)
         for i, tok in enumerate(tokens):
-            _, kv = self.ex.decode(np.asarray([[tok]], dtype=np.int64), np.asarray([[kv.length]], dtype=np.int64), kv)
+            self.ex.forward(self.cache, [Chunk(child, (tok,), length + i)])
+        self.cache.remove(child)
 
 
 class TorchSystem:
@@ -131,7 +151,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         systems = []
         if "kiln" in wanted:
-            systems.append(KilnSystem(args.artifact))
+            systems.append(KilnSystem(args.artifact, args.prompt_len, args.decode_steps))
         if "torch" in wanted:
             systems.append(TorchSystem(module))
         if "onnxruntime" in wanted:

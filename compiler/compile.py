@@ -17,6 +17,7 @@ from kiln.runtime.version import __version__
 from .artifact_writer import write_artifact, write_params
 from .export.onnx_export import ExportedGraphs, export_graphs
 from .lower.build import build_module, export_library
+from .lower.kv_cache import CACHE_ARGS, FACTORY, PAGE_SIZE
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
 from .targets import TargetSpec
@@ -62,7 +63,7 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
     config = source.config
     target_info = options.target.info()
     with _step(log, f"build for {options.target.key}"):
-        executable, params = build_module(dict(graphs.items()), options.target)
+        executable, params = build_module(dict(graphs.items()), options.target, config)
 
     weights = _initializer_arrays(graphs)
 
@@ -81,11 +82,15 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             target=target_info,
             quantization="fp32",
             activation_dtype="float32",
-            kv_cache={"layout": "explicit", "dtype": "float32", "num_layers": config.num_layers,
-                      "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim},
-            functions={name: FunctionSpec(tuple(v.name for v in g.graph.inputs),
-                                          tuple(v.name for v in g.graph.outputs))
-                       for name, g in graphs.items()},
+            kv_cache={"layout": "paged", "dtype": "float32", "page_size": PAGE_SIZE,
+                      "num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
+                      "head_dim": config.head_dim, "rope": "graph"},
+            functions={
+                FACTORY: FunctionSpec(CACHE_ARGS, ("kv_cache",)),
+                **{name: FunctionSpec((*(v.name for v in g.graph.inputs), "kv_cache"),
+                                      tuple(v.name for v in g.graph.outputs))
+                   for name, g in graphs.items()},
+            },
             params=entries,
             files={},
         )

@@ -89,16 +89,33 @@ def verify_model(model, context_length=None, artifact: Path | None = None, batch
 
 
 def _verify_artifact(folder: Path, cases: dict[str, _Case]) -> list[GraphReport]:
+    """The artifact runs the same rows as one ragged batch of B sequences in its paged KV
+    cache; the KV compared is what the cache holds for each sequence."""
     from kiln.runtime.engine import Engine
-    from kiln.runtime.executor import KVState
+    from kiln.runtime.executor import CacheConfig, Chunk
 
     engine = Engine.load(folder)
     ex = engine._executor  # noqa: SLF001  (verification reaches the raw functions)
-    p = cases["prefill"]
-    logits, kv = ex.prefill(p.feeds["input_ids"], p.feeds["position_ids"])
-    reports = [_report("prefill", "kiln-tvm", p, logits, [t.numpy() for t in kv.tensors])]
-    d = cases["decode"]
-    past = KVState([ex._tensor(a) for a in p.kv], p.feeds["input_ids"].shape[1])  # noqa: SLF001
-    logits, kv = ex.decode(d.feeds["input_ids"], d.feeds["position_ids"], past)
-    reports.append(_report("decode", "kiln-tvm", d, logits, [t.numpy() for t in kv.tensors]))
+    model = engine.config
+    p, d = cases["prefill"], cases["decode"]
+    batch, seq = p.feeds["input_ids"].shape
+    cache = ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=batch * (seq + 1) + 64,
+                                        prefill_chunk_size=batch * seq, page_size=ex.page_size))
+    for i in range(batch):
+        cache.add(i)
+    logits = ex.forward(cache, [Chunk(i, tuple(int(t) for t in p.feeds["input_ids"][i]), 0) for i in range(batch)])
+    reports = [_report("prefill", "kiln-tvm", p, logits, _cached_kv(cache, batch, seq, model))]
+    steps = [Chunk(i, (int(d.feeds["input_ids"][i, 0]),), seq) for i in range(batch)]
+    logits = ex.forward(cache, steps)
+    reports.append(_report("decode", "kiln-tvm", d, logits, _cached_kv(cache, batch, seq + 1, model)))
     return reports
+
+
+def _cached_kv(cache, batch: int, length: int, model) -> list[np.ndarray]:
+    """Per layer key / value [B, Hkv, length, D], the layout of the ONNX graphs' present."""
+    per_seq = [cache.read_kv(i, length, model) for i in range(batch)]  # ([L, T, Hkv, D], ...)
+    out = []
+    for layer in range(model.num_layers):
+        for which in (0, 1):
+            out.append(np.stack([kv[which][layer].transpose(1, 0, 2) for kv in per_seq]))
+    return out

@@ -6,7 +6,8 @@ TVM library first in processes that also compile.
 """
 
 _LAZY = {
-    "Engine": "engine", "Completion": "engine", "Delta": "engine",
+    "Engine": "engine", "EngineConfig": "engine", "EngineOverloadedError": "engine",
+    "Completion": "outputs", "Choice": "outputs", "Delta": "outputs",
     "SamplingParams": "sampling",
 }
 

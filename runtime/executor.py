@@ -1,14 +1,21 @@
-"""Runs an artifact's compiled functions: mechanism only (no scheduling, no sampling).
+"""Runs an artifact's compiled functions over TVM's paged KV cache: mechanism only (no
+scheduling, no sampling).
 
-The explicit-KV artifact exposes, by name (checked against the manifest at load):
-  prefill(input_ids [B, S], position_ids [B, S], params) -> (logits [B, V], present...)
-  decode(input_ids [B, 1], position_ids [B, 1], past..., params) -> (logits [B, V], present...)
-with one key and one value tensor [B, Hkv, T, D] per layer.
+The artifact exposes, by name (checked against the manifest at load):
+  create_kv_cache(Shape[max_batch_size, max_total_seq_len, prefill_chunk_size,
+                        page_size, support_sliding_window]) -> kv cache object
+  prefill(input_ids [1, T], position_ids [1, T], logit_positions [N], kv, params)
+      -> (logits [N, V],)   ragged: the new tokens of several sequences, concatenated
+  decode(input_ids [B, 1], position_ids [B, 1], kv, params) -> (logits [B, V],)
+Which sequence each token belongs to is the cache's state for the step
+(``kv_state_begin_forward``); the cache owns pages, copies and attention kernels.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -16,26 +23,105 @@ from .artifact import LIBRARY_FILE, Manifest, read_params
 from .errors import ArtifactError
 from .tvm_runtime import VirtualMachine, tvm
 
-REQUIRED_FUNCTIONS = ("prefill", "decode")
+REQUIRED_FUNCTIONS = ("create_kv_cache", "prefill", "decode")
 
 
-class KVState:
-    """One batch's explicit KV cache: per layer key, value tensors [B, Hkv, T, D] on device."""
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of one KV cache. ``max_batch_size``: sequences per forward;
+    ``max_total_tokens``: KV slots over all sequences (pages = ceil(tokens / page_size));
+    ``prefill_chunk_size``: tokens per forward."""
 
-    __slots__ = ("tensors", "length")
+    max_batch_size: int
+    max_total_tokens: int
+    prefill_chunk_size: int
+    page_size: int
 
-    def __init__(self, tensors: list, length: int):
-        self.tensors = tensors
-        self.length = length
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_total_tokens", "prefill_chunk_size", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-class ExplicitKVExecutor:
+@dataclass(frozen=True)
+class Chunk:
+    """``tokens`` of sequence ``seq_id`` at positions ``start ..``; logits are returned for
+    the chunk offsets in ``logits_at`` (default: its last token)."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    logits_at: tuple[int, ...] | None = None
+
+    def logit_offsets(self) -> tuple[int, ...]:
+        return (len(self.tokens) - 1,) if self.logits_at is None else self.logits_at
+
+
+class _Builtins:
+    """TVM's KV-state builtins, looked up once."""
+
+    def __init__(self):
+        g = tvm.get_global_func
+        self.add = g("vm.builtin.kv_state_add_sequence")
+        self.remove = g("vm.builtin.kv_state_remove_sequence")
+        self.fork = g("vm.builtin.kv_state_fork_sequence")
+        self.popn = g("vm.builtin.kv_state_popn")
+        self.clear = g("vm.builtin.kv_state_clear")
+        self.begin = g("vm.builtin.kv_state_begin_forward")
+        self.end = g("vm.builtin.kv_state_end_forward")
+        self.available = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self.debug_get_kv = g("vm.builtin.attention_kv_cache_debug_get_kv")
+        self.total_length = g("vm.builtin.attention_kv_cache_get_total_sequence_length")
+
+
+class KVCache:
+    """One paged KV cache object with its sequence operations (thin wrappers: TVM checks
+    its own invariants and raises on misuse)."""
+
+    def __init__(self, handle, builtins: _Builtins, config: CacheConfig, device):
+        self.handle, self._b, self.config, self.device = handle, builtins, config, device
+        self.total_pages = int(builtins.available(handle))
+
+    def add(self, seq_id: int) -> None:
+        self._b.add(self.handle, seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        self._b.remove(self.handle, seq_id)
+
+    def fork(self, parent: int, child: int, position: int) -> None:
+        """``child`` shares ``parent``'s first ``position`` tokens (full pages shared,
+        a partial page copied)."""
+        self._b.fork(self.handle, parent, child, position)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self._b.popn(self.handle, seq_id, n)
+
+    def clear(self) -> None:
+        self._b.clear(self.handle)
+
+    def available_pages(self) -> int:
+        return int(self._b.available(self.handle))
+
+    def read_kv(self, seq_id: int, length: int, model) -> tuple[np.ndarray, np.ndarray]:
+        """A sequence's cached keys and values (for verification):
+        two [num_layers, length, num_kv_heads, head_dim] arrays."""
+        shape = (model.num_layers, length, model.num_kv_heads, model.head_dim)
+        k = tvm.runtime.empty(shape, "float32", self.device)
+        v = tvm.runtime.empty(shape, "float32", self.device)
+        self._b.debug_get_kv(self.handle, seq_id, 0, length, k, v)
+        return k.numpy(), v.numpy()
+
+
+class PagedExecutor:
     def __init__(self, folder: Path, manifest: Manifest, device):
         self.manifest = manifest
         self.device = device
         missing = [f for f in REQUIRED_FUNCTIONS if f not in manifest.functions]
         if missing:
-            raise ArtifactError(f"{folder}: manifest lists no {', '.join(missing)} function")
+            raise ArtifactError(
+                f"{folder}: artifact lacks {', '.join(missing)} (built by an older Kiln without a paged "
+                "KV cache?); recompile it")
         try:
             lib = tvm.runtime.load_module(str(Path(folder) / LIBRARY_FILE))
         except Exception as err:  # TVM raises its own error types for unloadable libraries
@@ -54,17 +140,48 @@ class ExplicitKVExecutor:
         else:
             self._params = [tvm.runtime.tensor(np.asarray(a), device) for a in arrays]
         self._arrays = arrays  # keeps the memory map alive
-        self.num_layers = manifest.model.num_layers
+        self._builtins = _Builtins()
+        self.page_size = int(manifest.kv_cache["page_size"])
+
+    def create_cache(self, config: CacheConfig) -> KVCache:
+        if config.page_size != self.page_size:
+            raise ValueError(f"page_size: this artifact's kernels use {self.page_size}-token pages")
+        shape = tvm.runtime.ShapeTuple([config.max_batch_size, config.max_total_tokens,
+                                        config.prefill_chunk_size, config.page_size, 0])
+        return KVCache(self._fns["create_kv_cache"](shape), self._builtins, config, self.device)
 
     def _tensor(self, array: np.ndarray):
         return tvm.runtime.tensor(array, self.device)
 
-    def prefill(self, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, KVState]:
-        """token_ids, positions: [B, S] int64 -> logits [B, V] float32 and the new KV."""
-        out = self._fns["prefill"](self._tensor(token_ids), self._tensor(positions), self._params)
-        return out[0].numpy(), KVState(list(out)[1:], int(token_ids.shape[1]))
-
-    def decode(self, token_ids: np.ndarray, positions: np.ndarray, kv: KVState) -> tuple[np.ndarray, KVState]:
-        """token_ids, positions: [B, 1] int64; kv of length T -> logits [B, V], KV of T + 1."""
-        out = self._fns["decode"](self._tensor(token_ids), self._tensor(positions), *kv.tensors, self._params)
-        return out[0].numpy(), KVState(list(out)[1:], kv.length + 1)
+    def forward(self, cache: KVCache, chunks: Sequence[Chunk]) -> np.ndarray:
+        """Append every chunk's tokens to its sequence and return the requested logits,
+        [sum of len(logit_offsets)] x vocab, in chunk order."""
+        if not chunks:
+            return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
+        seq_ids = tvm.runtime.ShapeTuple([c.seq_id for c in chunks])
+        lengths = tvm.runtime.ShapeTuple([len(c.tokens) for c in chunks])
+        b = self._builtins
+        b.begin(cache.handle, seq_ids, lengths)
+        try:
+            if all(len(c.tokens) == 1 for c in chunks):
+                ids = np.asarray([[c.tokens[0]] for c in chunks], dtype=np.int64)
+                pos = np.asarray([[c.start] for c in chunks], dtype=np.int64)
+                logits = self._fns["decode"](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]
+                rows = [i for i, c in enumerate(chunks) if c.logit_offsets()]
+                out = logits.numpy()
+                return out if len(rows) == len(chunks) else out[rows]
+            ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64)[None]
+            pos = np.concatenate([np.arange(c.start, c.start + len(c.tokens), dtype=np.int64)
+                                  for c in chunks])[None]
+            offsets, base = [], 0
+            for c in chunks:
+                offsets.extend(base + o for o in c.logit_offsets())
+                base += len(c.tokens)
+            if not offsets:
+                offsets = [base - 1]  # the graph needs at least one row; discarded below
+            logits = self._fns["prefill"](self._tensor(ids), self._tensor(pos),
+                                          self._tensor(np.asarray(offsets, dtype=np.int64)),
+                                          cache.handle, self._params)[0].numpy()
+            return logits if any(c.logit_offsets() for c in chunks) else logits[:0]
+        finally:
+            b.end(cache.handle)

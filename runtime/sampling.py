@@ -1,19 +1,30 @@
-"""Sampling parameters (validated once, at the boundary) and the numpy sampler.
+"""Sampling parameters (validated once, at the boundary) and the batched numpy sampler.
 
-Every random draw comes from the request's own ``numpy.random.Generator`` seeded from
-``seed``, so a seeded request produces the same tokens whatever else runs beside it.
+Per row, in order: logit bias; repetition penalty (prompt and output tokens, HF rule:
+divide positive logits, multiply negative ones); presence / frequency penalties (output
+tokens, OpenAI rule: subtract presence * [count > 0] + frequency * count); end tokens
+masked until ``min_tokens``; then temperature 0 takes the argmax, otherwise softmax of
+logits / temperature, restricted to the top-k, to the min-p band (p >= min_p * p_max) and
+to the smallest nucleus reaching top_p, renormalized, and one draw.
+
+Every draw comes from the sample's own ``numpy.random.Generator`` (seeded from ``seed``
+and the sample index), so a seeded request produces the same tokens whatever else is in
+the batch. Log-probabilities are those of the model (log-softmax of the raw logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 @dataclass(frozen=True)
@@ -24,34 +35,60 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
+    min_p: float = 0.0  # 0.0: no min-p cut
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top-k
+    n: int = 1
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_int("top_k", self.top_k, low=0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) for s in self.stop):
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
             raise InvalidRequestError("stop", "must be a string or a list of strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
+        if len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        if any(s == "" for s in self.stop):
+        if any(s == "" for s in stop):
             raise InvalidRequestError("stop", "stop strings must not be empty")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.stop_token_ids, (tuple, list)):
             raise InvalidRequestError("stop_token_ids", "must be a list of token ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple((t, b) for t, b in bias)
+        except (TypeError, ValueError):
+            raise InvalidRequestError("logit_bias", "must map token ids to numbers") from None
+        for t, b in bias:
+            _check_int("logit_bias", t, low=0)
+            _check_float("logit_bias", b, low=-100.0, high=100.0)
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be true or false")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("n", self.n, low=1, high=MAX_N)
 
     @property
     def greedy(self) -> bool:
@@ -64,60 +101,148 @@ class SamplingParams:
             raise InvalidRequestError(unknown[0], f"unknown sampling option (known: {', '.join(sorted(known))})")
         return dataclasses.replace(self, **overrides)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary ({vocab_size})")
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequestError("logit_bias", f"token {t} is outside the vocabulary ({vocab_size})")
 
-def _check_int(field: str, value, low: int | None = None, high: int | None = None) -> None:
+
+def _check_int(field_name: str, value, low: int | None = None, high: int | None = None) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise InvalidRequestError(field, f"must be an integer, got {value!r}")
+        raise InvalidRequestError(field_name, f"must be an integer, got {value!r}")
     if low is not None and value < low:
-        raise InvalidRequestError(field, f"must be >= {low}, got {value}")
+        raise InvalidRequestError(field_name, f"must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise InvalidRequestError(field, f"must be <= {high}, got {value}")
+        raise InvalidRequestError(field_name, f"must be <= {high}, got {value}")
 
 
-def _check_float(field: str, value, low: float, high: float, low_open: bool = False) -> None:
+def _check_float(field_name: str, value, low: float, high: float, low_open: bool = False) -> None:
     if not isinstance(value, (int, float, np.floating)) or isinstance(value, bool):
-        raise InvalidRequestError(field, f"must be a number, got {value!r}")
+        raise InvalidRequestError(field_name, f"must be a number, got {value!r}")
     if not np.isfinite(value):
-        raise InvalidRequestError(field, f"must be finite, got {value}")
+        raise InvalidRequestError(field_name, f"must be finite, got {value}")
     if (value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
-        raise InvalidRequestError(field, f"must be in {bracket}{low}, {high}], got {value}")
+        raise InvalidRequestError(field_name, f"must be in {bracket}{low}, {high}], got {value}")
 
 
-def make_generator(seed: int | None) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(seed))
+def make_generators(seed: int | None, n: int) -> list[np.random.Generator]:
+    """One generator per sample; a seed fixes all of them."""
+    children = np.random.SeedSequence(seed).spawn(n)
+    return [np.random.Generator(np.random.PCG64(c)) for c in children]
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from ``logits`` [V] (float32)."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    return int(_draw(sampling_distribution(logits, params), rng))
+@dataclass
+class SampleState:
+    """What the sampler needs to know of one sample between steps."""
+
+    params: SamplingParams
+    rng: np.random.Generator
+    prompt: Sequence[int]
+    end_ids: frozenset[int]
+    output_counts: dict[int, int] = field(default_factory=dict)
+    num_output: int = 0
+
+    def record(self, token: int) -> None:
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        self.num_output += 1
 
 
-def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The probabilities [V] (float64) that a non-greedy draw uses: softmax of
-    logits / temperature, restricted to the top-k, then to the smallest nucleus whose
-    mass reaches top_p, renormalized."""
-    x = logits.astype(np.float64) / params.temperature
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def process_logits(logits: np.ndarray, state: SampleState) -> np.ndarray:
+    """Bias, penalties and the min_tokens end-token mask, on a float64 copy of one row."""
+    p = state.params
+    x = logits.astype(np.float64)
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        np.add.at(x, np.asarray(ids), np.asarray(bias))
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate([np.asarray(state.prompt, dtype=np.int64),
+                                         np.fromiter(state.output_counts, dtype=np.int64)]))
+        vals = x[seen]
+        x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output_counts:
+        ids = np.fromiter(state.output_counts, dtype=np.int64)
+        counts = np.fromiter(state.output_counts.values(), dtype=np.float64)
+        x[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    if state.num_output < p.min_tokens and state.end_ids:
+        x[np.fromiter(state.end_ids, dtype=np.int64)] = -np.inf
+    return x
+
+
+def sampling_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The probabilities [V] (float64) a non-greedy draw uses, from processed logits."""
+    x = x / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
         x = np.where(x >= kth, x, -np.inf)
-    x -= x.max()
+    x = x - x.max()
     probs = np.exp(x)
     probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        sorted_probs = probs[order]
-        before = np.cumsum(sorted_probs) - sorted_probs  # mass strictly above each token
-        keep = before < params.top_p
-        keep[0] = True
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
+    if params.min_p > 0.0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
     return probs
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    # Sort only the head: the nucleus rarely needs more than a few hundred tokens.
+    vocab = probs.shape[0]
+    k = min(vocab, 1024)
+    while True:
+        head = np.argpartition(-probs, k - 1)[:k] if k < vocab else np.arange(vocab)
+        order = head[np.argsort(-probs[head], kind="stable")]
+        sorted_probs = probs[order]
+        if sorted_probs.sum() >= top_p or k == vocab:
+            break
+        k = min(vocab, k * 8)
+    before = np.cumsum(sorted_probs) - sorted_probs  # mass strictly above each token
+    keep = order[before < top_p]
+    if keep.size == 0:
+        keep = order[:1]
+    out = np.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
+def sample_rows(logits: np.ndarray, states: Sequence[SampleState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` [N, V] (float32), row i sampled with states[i]."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    for row, state in zip(logits, states):
+        p = state.params
+        plain = not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                     or state.num_output < p.min_tokens)
+        x = row if plain and p.greedy else process_logits(row, state)
+        if p.greedy:
+            token = int(np.argmax(x))
+        else:
+            token = _draw(sampling_distribution(x, p), state.rng)
+        tokens.append(token)
+        logprobs.append(_logprobs(row, token, p.logprobs) if p.logprobs is not None else None)
+        state.record(token)
+    return tokens, logprobs
+
+
+def _logprobs(row: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    x = row.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    best = np.argpartition(-x, top)[:top] if top else np.zeros(0, dtype=np.int64)
+    best = best[np.argsort(-x[best], kind="stable")]
+    return TokenLogprobs(token, float(x[token] - lse), tuple((int(t), float(x[t] - lse)) for t in best))
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -15,28 +15,72 @@ from kiln.runtime.artifact import load_manifest, read_params
 from kiln.runtime.engine import Engine
 
 
+def _cache(ex, batch=4, tokens=512, chunk=256):
+    from kiln.runtime.executor import CacheConfig
+
+    return ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=tokens, prefill_chunk_size=chunk,
+                                       page_size=ex.page_size))
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "llama3"])
-def test_tvm_logits_match_torch_on_prefill_and_decode_steps(checkpoint, compiled, variant):
+def test_ragged_prefill_and_batched_decode_match_torch(checkpoint, compiled, variant):
+    """Sequences of different lengths in one ragged prefill, then batched decode steps:
+    each sequence's logits and cached KV equal torch running it alone."""
+    from kiln.runtime.executor import Chunk
+
     module = resolve_model(checkpoint(variant)).build_module()
-    engine = Engine.load(compiled(variant))
-    ex = engine._executor
+    ex = Engine.load(compiled(variant))._executor
+    cache = _cache(ex)
     rng = np.random.default_rng()
-    b, s = int(rng.integers(1, 4)), int(rng.integers(1, 20))
-    ids = rng.integers(0, module.config.vocab_size, (b, s)).astype(np.int64)
-    pos = np.broadcast_to(np.arange(s), (b, s)).astype(np.int64).copy()
-    with torch.no_grad():
-        ref, past = module(torch.from_numpy(ids), torch.from_numpy(pos))
-    logits, kv = ex.prefill(ids, pos)
-    assert np.abs(logits - ref.numpy()).max() <= 1e-4
-    np.testing.assert_allclose(kv.tensors[0].numpy(), past[0][0].numpy(), atol=1e-5)
-    for step in range(5):
-        tok = rng.integers(0, module.config.vocab_size, (b, 1)).astype(np.int64)
-        p = np.full((b, 1), s + step, dtype=np.int64)
+    lengths = [int(n) for n in rng.integers(1, 30, 3)]
+    seqs = {i: rng.integers(0, module.config.vocab_size, n).tolist() for i, n in enumerate(lengths)}
+    for i in seqs:
+        cache.add(i)
+    logits = ex.forward(cache, [Chunk(i, tuple(t), 0) for i, t in seqs.items()])
+    for step in range(4):
+        for i, toks in seqs.items():
+            with torch.no_grad():
+                ref, past = module(torch.tensor([toks]), torch.arange(len(toks))[None])
+            assert np.abs(logits[i] - ref.numpy()[0]).max() <= 1e-4
+        k, v = cache.read_kv(0, len(seqs[0]), module.config)
         with torch.no_grad():
-            ref, past = module(torch.from_numpy(tok), torch.from_numpy(p), past)
-        logits, kv = ex.decode(tok, p, kv)
-        assert np.abs(logits - ref.numpy()).max() <= 1e-4
-    assert kv.tensors[-1].numpy().shape == (b, module.config.num_kv_heads, s + 5, module.config.head_dim)
+            _, past = module(torch.tensor([seqs[0]]), torch.arange(len(seqs[0]))[None])
+        np.testing.assert_allclose(k[0].transpose(1, 0, 2), past[0][0].numpy()[0], atol=1e-5)
+        np.testing.assert_allclose(v[-1].transpose(1, 0, 2), past[-1][1].numpy()[0], atol=1e-5)
+        nxt = {i: int(rng.integers(0, module.config.vocab_size)) for i in seqs}
+        logits = ex.forward(cache, [Chunk(i, (nxt[i],), len(t)) for i, t in seqs.items()])
+        for i in seqs:
+            seqs[i].append(nxt[i])
+
+
+def test_fork_shares_the_prefix_and_chunks_continue_it(checkpoint, compiled):
+    """A fork at any position (page-aligned or not), then chunked continuation, gives the
+    same logits as computing the whole sequence at once."""
+    from kiln.runtime.executor import Chunk
+
+    module = resolve_model(checkpoint("llama")).build_module()
+    ex = Engine.load(compiled("llama"))._executor
+    cache = _cache(ex)
+    rng = np.random.default_rng()
+    parent = rng.integers(0, module.config.vocab_size, 40).tolist()
+    cache.add(0)
+    ex.forward(cache, [Chunk(0, tuple(parent[:25]), 0, ())])  # a prefill chunk without logits
+    ex.forward(cache, [Chunk(0, tuple(parent[25:]), 25)])
+    free_before = cache.available_pages()
+    cache.fork(0, 1, 32)  # page-aligned: shares two pages, takes none
+    assert cache.available_pages() == free_before
+    cache.fork(0, 2, 21)  # inside a page: the partial page is copied
+    assert cache.available_pages() == free_before - 1
+    tails = {1: rng.integers(0, module.config.vocab_size, 9).tolist(), 2: rng.integers(0, module.config.vocab_size, 5).tolist()}
+    out = ex.forward(cache, [Chunk(1, tuple(tails[1]), 32), Chunk(2, tuple(tails[2]), 21)])
+    for row, (sid, pos) in enumerate(((1, 32), (2, 21))):
+        full = parent[:pos] + tails[sid]
+        with torch.no_grad():
+            ref, _ = module(torch.tensor([full]), torch.arange(len(full))[None])
+        assert np.abs(out[row] - ref.numpy()[0]).max() <= 1e-4
+    for sid in (0, 1, 2):
+        cache.remove(sid)
+    assert cache.available_pages() == cache.total_pages
 
 
 def test_greedy_generation_matches_torch(checkpoint, compiled):
@@ -57,8 +101,10 @@ def test_manifest_describes_the_artifact(checkpoint, compiled):
     assert raw["schema_version"] == 1 and raw["kiln_version"] and raw["tvm_version"].startswith("0.27")
     assert m.model.architecture == "qwen2" and m.model.qkv_bias
     assert m.target.kind == "llvm" and m.target.device == "cpu" and m.target.mcpu
-    assert set(m.functions) == {"prefill", "decode"}
-    assert m.functions["decode"].inputs[:4] == ("input_ids", "position_ids", "past.0.key", "past.0.value")
+    assert set(m.functions) == {"create_kv_cache", "prefill", "decode"}
+    assert m.functions["prefill"].inputs == ("input_ids", "position_ids", "logit_positions", "kv_cache")
+    assert m.functions["decode"].inputs == ("input_ids", "position_ids", "kv_cache")
+    assert m.kv_cache["layout"] == "paged" and m.kv_cache["page_size"] == 16
     assert set(m.files) == {"model.so", "params.bin", "tokenizer.json", "tokenizer_config.json"}
     assert m.kv_cache["num_layers"] == m.model.num_layers and m.quantization == "fp32"
     # Every checkpoint weight is stored once, in float32, with its shape and name.

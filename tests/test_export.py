@@ -52,4 +52,6 @@ def test_dump_dir_writes_each_phase(checkpoint, tmp_path):
     source = resolve_model(checkpoint("llama"))
     run_passes(export_graphs(source.build_module()), dump_dir=tmp_path)
     names = sorted(p.name for p in tmp_path.glob("*.onnx"))
-    assert names == ["0-exported.decode.onnx", "0-exported.prefill.onnx"]
+    assert names == ["0-exported.decode.onnx", "0-exported.prefill.onnx", "1-paged-attention.decode.onnx",
+                     "1-paged-attention.prefill.onnx", "2-select-logit-positions.decode.onnx",
+                     "2-select-logit-positions.prefill.onnx"]

@@ -27,22 +27,24 @@ def test_32_greedy_tokens_identical_to_torch(smollm2_artifact, smollm2_module):
 
 
 def test_logits_match_torch_prefill_and_decode(smollm2_artifact, smollm2_module):
-    engine = Engine.load(smollm2_artifact)
-    ex = engine._executor
+    from kiln.runtime.executor import CacheConfig, Chunk
+
+    ex = Engine.load(smollm2_artifact)._executor
+    cache = ex.create_cache(CacheConfig(max_batch_size=2, max_total_tokens=256, prefill_chunk_size=64,
+                                        page_size=ex.page_size))
     rng = np.random.default_rng()
-    ids = rng.integers(0, 49152, (1, 20)).astype(np.int64)
-    pos = np.arange(20, dtype=np.int64)[None]
+    ids = rng.integers(0, 49152, 20).tolist()
+    cache.add(0)
+    logits = ex.forward(cache, [Chunk(0, tuple(ids), 0)])
     with torch.no_grad():
-        ref, past = smollm2_module(torch.from_numpy(ids), torch.from_numpy(pos))
-    logits, kv = ex.prefill(ids, pos)
-    errors = [np.abs(logits - ref.numpy()).max()]
+        ref, past = smollm2_module(torch.tensor([ids]), torch.arange(20)[None])
+    errors = [np.abs(logits[0] - ref.numpy()[0]).max()]
     for step in range(4):
-        tok = rng.integers(0, 49152, (1, 1)).astype(np.int64)
-        p = np.full((1, 1), 20 + step, dtype=np.int64)
+        tok = int(rng.integers(0, 49152))
         with torch.no_grad():
-            ref, past = smollm2_module(torch.from_numpy(tok), torch.from_numpy(p), past)
-        logits, kv = ex.decode(tok, p, kv)
-        errors.append(np.abs(logits - ref.numpy()).max())
+            ref, past = smollm2_module(torch.tensor([[tok]]), torch.tensor([[20 + step]]), past)
+        logits = ex.forward(cache, [Chunk(0, (tok,), 20 + step)])
+        errors.append(np.abs(logits[0] - ref.numpy()[0]).max())
     assert max(errors) <= 1e-3, errors  # logits reach ~30: this is <= 3e-5 relative
 
 

@@ -7,8 +7,11 @@ import os
 
 import onnx_ir as ir
 
+from kiln.runtime.model_config import ModelConfig
+
 from ..targets import TargetSpec
 from .importer import ParamTable, import_graphs
+from .kv_cache import add_kv_cache_factory
 from .pipeline import relax_pipeline
 
 
@@ -30,12 +33,17 @@ def cuda_compile_mode(target: TargetSpec):
             os.environ["TVM_CUDA_COMPILE_MODE"] = previous
 
 
-def build_module(graphs: dict[str, ir.Model], target: TargetSpec):
-    """Import the graphs into one module and compile it. Returns (executable, params)."""
+def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig):
+    """Import the graphs into one module, add the KV-cache factory, compile. Returns
+    (executable, params)."""
     import tvm
+    from tvm import relax
 
     mod, params = import_graphs(graphs)
     tvm_target = target.tvm_target()
+    bb = relax.BlockBuilder(mod)
+    add_kv_cache_factory(bb, config, tvm_target)
+    mod = bb.get()
     with cuda_compile_mode(target):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
     return executable, params

@@ -25,6 +25,8 @@ class ConvertContext:
     dims: dict[str, tirx.Var] = field(default_factory=dict)
     # Values known at compile time (Constant nodes, small initializers), by value name.
     constants: dict[str, np.ndarray] = field(default_factory=dict)
+    # The paged KV cache object this function takes, when it has paged attention.
+    kv_cache: relax.Var | None = None
 
     def dim(self, name: str) -> tirx.Var:
         if name not in self.dims:

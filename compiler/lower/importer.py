@@ -6,9 +6,11 @@ small set of standard ops (opset 23 ``Attention``, ``RotaryEmbedding``,
 of weights, and the KV state of later stages is a runtime object rather than a tensor.
 Each op's conversion is a registered converter (``registry.py``, ``converters/``).
 
-Function signature: ``fn(*graph_inputs, params) -> (outputs...)`` where ``params`` is a
-tuple of every weight in ``ParamTable`` order. Weights stay function inputs (never
-constants), so TVM never folds them, and quantized weights keep their storage dtype.
+Function signature: ``fn(*graph_inputs, [kv_cache], params) -> (outputs...)`` where
+``params`` is a tuple of every weight in ``ParamTable`` order and ``kv_cache`` (an
+Object: TVM's paged KV cache) is present when the graph has ``kiln::PagedAttention``
+nodes. Weights stay function inputs (never constants), so TVM never folds them, and
+quantized weights keep their storage dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from tvm import relax
 
 from .context import ConvertContext, relax_dtype
 from .registry import lookup
+
+# Kiln ops that read or write the paged KV cache: their function takes the cache object.
+KV_CACHE_DOMAIN = "kiln"
+KV_CACHE_OPS = ("PagedAttention",)
 
 # Initializers with at most this many elements become Relax constants (index tensors,
 # scalars); anything larger is a weight and becomes a parameter.
@@ -77,6 +83,9 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
     ctx = ConvertContext(bb=bb)
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
               for v in graph.inputs]
+    if any(n.domain == KV_CACHE_DOMAIN and n.op_type in KV_CACHE_OPS for n in graph):
+        ctx.kv_cache = relax.Var("kv_cache", relax.ObjectType())
+        inputs.append(ctx.kv_cache)
     param_tuple = relax.Var("params", relax.TupleType(
         [relax.TensorType(list(p.shape), p.dtype) for p in params.specs]))
     index = params.index()

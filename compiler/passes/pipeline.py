@@ -3,7 +3,12 @@ tested alone; ``--dump-dir`` writes every phase's graphs so each one can be insp
 run in onnxruntime.
 
 Phases (in order):
-  exported   what the torch exporter produced (standard opset-23 ops, explicit KV)
+  exported                what the torch exporter produced (standard opset-23 ops,
+                          explicit KV; onnxruntime runs it: the oracle of `kiln verify`)
+  paged-attention         each layer's Attention over past/present -> kiln::PagedAttention
+                          on the runtime's paged KV cache (passes/paged_attention.py)
+  select-logit-positions  prefill returns logits at given token positions, for ragged
+                          batches of several sequences (passes/select_logit_positions.py)
 """
 
 from __future__ import annotations
@@ -14,16 +19,22 @@ from typing import Callable
 import onnx_ir as ir
 
 from ..export.onnx_export import ExportedGraphs
+from .paged_attention import rewrite_paged_attention
+from .select_logit_positions import select_logit_positions
 
-# (phase name, pass) in order. A pass maps one graph (named "prefill"/"decode") to a new one.
-PASSES: list[tuple[str, Callable[[str, ir.Model], ir.Model]]] = []
+# (phase name, pass, graphs it applies to). A pass rewrites an onnx-ir model in place and
+# returns it.
+PASSES: list[tuple[str, Callable[[ir.Model], ir.Model], tuple[str, ...]]] = [
+    ("paged-attention", rewrite_paged_attention, ("prefill", "decode")),
+    ("select-logit-positions", select_logit_positions, ("prefill",)),
+]
 
 
 def run_passes(graphs: ExportedGraphs, dump_dir: Path | None = None, log=lambda _: None) -> ExportedGraphs:
     if dump_dir is not None:
         save_graphs(graphs, Path(dump_dir), "0-exported")
-    for i, (phase, fn) in enumerate(PASSES, start=1):
-        graphs = ExportedGraphs(**{name: fn(name, model) for name, model in graphs.items()})
+    for i, (phase, fn, targets) in enumerate(PASSES, start=1):
+        graphs = ExportedGraphs(**{name: fn(model) if name in targets else model for name, model in graphs.items()})
         log(f"pass {phase}")
         if dump_dir is not None:
             save_graphs(graphs, Path(dump_dir), f"{i}-{phase}")

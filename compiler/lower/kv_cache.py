@@ -1,0 +1,54 @@
+"""The artifact's KV-cache factory: a Relax function ``create_kv_cache`` that builds TVM's
+paged KV cache (``tvm.relax.frontend.nn.llm.kv_cache``: the runtime object plus its TIR
+page and attention kernels for this target) for the model's geometry.
+
+    create_kv_cache(R.Shape([max_batch_size, max_total_seq_len, prefill_chunk_size,
+                             page_size, support_sliding_window])) -> Object
+
+The runtime calls it by name with sizes chosen at load time; Kiln's own interfaces never
+see TVM's positional constructor. RoPE is applied by the graph, so the cache applies none.
+"""
+
+from __future__ import annotations
+
+from tvm import relax, tirx
+
+from kiln.runtime.model_config import ModelConfig
+
+FACTORY = "create_kv_cache"
+CACHE_ARGS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding_window")
+PAGE_SIZE = 16  # TVM's CPU attention kernels are specialized to 16-token pages
+
+
+def add_kv_cache_factory(bb: relax.BlockBuilder, config: ModelConfig, target, dtype: str = "float32") -> None:
+    from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
+
+    sizes = [tirx.Var(name, "int64") for name in CACHE_ARGS]
+    arg = relax.Var("cache_config", relax.ShapeType(sizes))
+    with bb.function(FACTORY, [arg]):
+        cache = TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=sizes[0],
+            max_total_seq_len=sizes[1],
+            prefill_chunk_size=sizes[2],
+            page_size=sizes[3],
+            support_sliding_window=sizes[4],
+            layer_partition=relax.ShapeExpr([0, config.num_layers]),
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads,
+            qk_head_dim=config.head_dim,
+            v_head_dim=config.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NONE,
+            rope_scale=1,
+            rope_theta=config.rope_theta,
+            rope_scaling={},
+            rope_ext_factors=relax.prim_value(0),
+            rotary_dim=config.head_dim,
+            enable_disaggregation=False,
+            dtype=dtype,
+            target=target,
+        )
+        bb.emit_func_output(cache._expr)  # noqa: SLF001

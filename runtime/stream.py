@@ -1,0 +1,141 @@
+"""A request's stream: deltas flow from the engine thread to one consumer, which reads
+them as a blocking iterator, an async iterator, or not at all (callback / ``result()``).
+
+The stream carries errors: if the engine fails the request, the consumer's next read
+raises that error. Closing an iterator early (``break``) cancels the request, which frees
+its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Callable
+
+from .errors import KilnError
+from .outputs import Choice, Completion, Delta
+
+_END = object()
+
+
+class RequestCancelled(KilnError):
+    """The request was cancelled before it finished."""
+
+
+class RequestStream:
+    def __init__(self, request_id: str, n: int, prompt_tokens: int, cancel: Callable[[str], None],
+                 on_delta: Callable[[Delta], None] | None = None):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._n = n
+        self._cancel = cancel
+        self._on_delta = on_delta
+        self._sync: queue.Queue = queue.Queue()
+        self._async: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._texts = [[] for _ in range(n)]
+        self._ids = [[] for _ in range(n)]
+        self._logprobs = [[] for _ in range(n)]
+        self._finish: list[str | None] = [None] * n
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    # -- engine side (engine thread) ------------------------------------------------------
+    def push(self, delta: Delta) -> None:
+        with self._lock:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self._texts[delta.index].append(delta.text)
+            if delta.token_id is not None:
+                self._ids[delta.index].append(delta.token_id)
+            if delta.logprobs is not None:
+                self._logprobs[delta.index].append(delta.logprobs)
+            if delta.finish_reason is not None:
+                self._finish[delta.index] = delta.finish_reason
+        if self._on_delta is not None:
+            self._on_delta(delta)
+        self._emit(delta)
+        if all(f is not None for f in self._finish):
+            self.finished_at = time.perf_counter()
+            self._done.set()
+            self._emit(_END)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self.finished_at = time.perf_counter()
+        self._done.set()
+        self._emit(_END)
+
+    def _emit(self, item) -> None:
+        with self._lock:
+            loop, aq = self._loop, self._async
+        if aq is not None:
+            loop.call_soon_threadsafe(aq.put_nowait, item)
+        else:
+            self._sync.put(item)
+
+    # -- consumer side --------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        if not self._done.is_set():
+            self._cancel(self.request_id)
+
+    def __iter__(self):
+        try:
+            while True:
+                item = self._sync.get()
+                if item is _END:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                yield item
+        finally:
+            self.cancel()
+
+    async def __aiter__(self):
+        with self._lock:
+            if self._async is None:
+                self._loop = asyncio.get_running_loop()
+                self._async = asyncio.Queue()
+                while True:  # deltas that arrived before the consumer attached
+                    try:
+                        self._async.put_nowait(self._sync.get_nowait())
+                    except queue.Empty:
+                        break
+        try:
+            while True:
+                item = await self._async.get()
+                if item is _END:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                yield item
+        finally:
+            self.cancel()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request finishes; raise its error, if any."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.completion()
+
+    def completion(self) -> Completion:
+        with self._lock:
+            choices = tuple(
+                Choice(i, "".join(self._texts[i]), tuple(self._ids[i]), self._finish[i] or "stop",
+                       tuple(self._logprobs[i]) if self._logprobs[i] else None)
+                for i in range(self._n))
+        first = (self.first_token_at or self.finished_at or time.perf_counter()) - self.created
+        total = (self.finished_at or time.perf_counter()) - self.created
+        return Completion(self.request_id, choices, self.prompt_tokens, first, total)
