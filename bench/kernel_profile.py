@@ -1,9 +1,10 @@
 """Per-kernel wall time of one artifact call, via the VM's instrumentation hook.
 
-    python bench/kernel_profile.py ARTIFACT [--prompt-len 64] [--repeat 3]
+    python bench/kernel_profile.py ARTIFACT [--prompt-len 64] [--batch 1] [--repeat 3]
 
-Prints, for prefill and one decode step, each kernel's total time (summed over its
-calls), its share, and its call count: the list to work down when making Kiln faster.
+Prints, for a prefill of --prompt-len tokens and a decode step of --batch sequences
+(each holding a --prompt-len context), each kernel's total time (summed over its calls),
+its share, and its call count: the list to work down when making Kiln faster.
 """
 
 from __future__ import annotations
@@ -21,19 +22,37 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="sequences in the decode step")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
+    from kiln.runtime.executor import CacheConfig, Chunk
+
     engine = Engine.load(args.artifact, verify_hashes=False)
     ex = engine._executor
     vm = ex._vm
+    cache = ex.create_cache(CacheConfig(max_batch_size=max(args.batch, 1), max_total_tokens=(args.prompt_len + 64)
+                                        * (args.batch + 2), prefill_chunk_size=args.prompt_len,
+                                        page_size=ex.page_size))
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, engine.config.vocab_size, (1, args.prompt_len), dtype=np.int64)
-    pos = np.arange(args.prompt_len, dtype=np.int64)[None]
-    logits, kv = ex.prefill(ids, pos)
-    step = np.asarray([[1]], dtype=np.int64)
-    step_pos = np.asarray([[args.prompt_len]], dtype=np.int64)
-    for name, call in (("prefill", lambda: ex.prefill(ids, pos)), ("decode", lambda: ex.decode(step, step_pos, kv))):
+    vocab = engine.config.vocab_size
+    prompt = tuple(rng.integers(0, vocab, args.prompt_len).tolist())
+    for i in range(args.batch):
+        cache.add(i)
+        ex.forward(cache, [Chunk(i, prompt, 0)])
+    cache.add(1000)
+    state = {"prefill": 0, "len": args.prompt_len}
+
+    def prefill():
+        cache.remove(1000)
+        cache.add(1000)
+        ex.forward(cache, [Chunk(1000, prompt, 0)])
+
+    def decode():
+        ex.forward(cache, [Chunk(i, (1,), state["len"]) for i in range(args.batch)])
+        state["len"] += 1
+
+    for name, call in (("prefill", prefill), ("decode", decode)):
         totals = collections.defaultdict(float)
         counts = collections.Counter()
         start = {}

@@ -82,3 +82,39 @@ def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, se
             f"[{result.prompt_tokens} prompt + {result.completion_tokens} generated tokens, "
             f"finish: {result.finish_reason}, first token {result.time_to_first_token_s * 1000:.0f} ms, "
             f"decode {result.decode_tokens_per_s:.1f} tok/s]", err=True)
+
+
+@cli.command("serve")
+@click.argument("artifact", type=ARTIFACT)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", default=None, help="model id clients use [default: the artifact folder name]")
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="sequences batched per step")
+@click.option("--max-batched-tokens", type=int, default=512, show_default=True,
+              help="tokens per step (the prefill chunk)")
+@click.option("--max-total-tokens", type=int, default=None,
+              help="KV-cache capacity in tokens [default: the context window, at least 8192]")
+@click.option("--policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True)
+@click.option("--max-waiting", type=int, default=256, show_default=True,
+              help="queued requests beyond which new ones get HTTP 429")
+@click.option("--no-prefix-reuse", is_flag=True, help="do not share KV pages of common prompt prefixes")
+@click.option("--log-level", default="info", show_default=True)
+@handle_errors
+def serve_command(artifact, host, port, served_model_name, max_num_seqs, max_batched_tokens, max_total_tokens,
+                  policy, max_waiting, no_prefix_reuse, log_level):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
+    import uvicorn
+
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.server.app import create_app
+
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                          max_total_tokens=max_total_tokens, policy=policy, max_waiting=max_waiting,
+                          prefix_reuse=not no_prefix_reuse)
+    engine = Engine.load(artifact, config)
+    name = served_model_name or Path(artifact).resolve().name
+    click.echo(f"serving {name} on http://{host}:{port}/v1", err=True)
+    try:
+        uvicorn.run(create_app(engine, name), host=host, port=port, log_level=log_level)
+    finally:
+        engine.close()

@@ -38,7 +38,7 @@ from .stream import RequestCancelled, RequestStream
 from .tokenizer import Message, Tokenizer
 
 log = logging.getLogger("kiln.engine")
-Prompt = str | Sequence[Message]
+Prompt = str | Sequence[int] | Sequence[Message]
 
 
 class EngineOverloadedError(KilnError):
@@ -220,12 +220,20 @@ class Engine:
         return True
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A string, chat messages, or token ids -> token ids (validated)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary "
+                                                    f"[0, {self.config.vocab_size})")
         elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
             ids = self.tokenizer.encode_chat(prompt)
         else:
-            raise InvalidRequestError("prompt", "must be a string or a list of chat messages")
+            raise InvalidRequestError("prompt", "must be a string, token ids, or a list of chat messages")
         if not ids:
             raise InvalidRequestError("prompt", "is empty after tokenization")
         if len(ids) >= self.config.context_length:

@@ -8,9 +8,12 @@ tokens in and out, preemptions, rejections.
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
+
+RATE_WINDOW_S = 10
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -58,6 +61,21 @@ class EngineMetrics:
         self.processed_tokens = 0
         self._submitted: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
+        self._recent: collections.deque[list] = collections.deque()  # [second, tokens] buckets
+
+    def _count_recent(self, now: float) -> None:
+        second = int(now)
+        if self._recent and self._recent[-1][0] == second:
+            self._recent[-1][1] += 1
+        else:
+            self._recent.append([second, 1])
+        while self._recent and self._recent[0][0] <= second - RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def recent_tokens_per_second(self) -> float:
+        now = int(time.time())
+        with self._lock:
+            return sum(n for sec, n in self._recent if sec > now - RATE_WINDOW_S) / RATE_WINDOW_S
 
     def on_submit(self, request_id: str) -> None:
         with self._lock:
@@ -68,6 +86,7 @@ class EngineMetrics:
         now = time.perf_counter()
         with self._lock:
             self.generated_tokens += 1
+            self._count_recent(time.time())
             last = self._last_token.get(request_id)
             if last is None:
                 start = self._submitted.get(request_id)
@@ -116,8 +135,9 @@ class EngineMetrics:
             }
             for name, (value, help_text) in counters.items():
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-            rate = self.generated_tokens / uptime
-        gauges = {**gauges, "generated_tokens_per_second": rate}
+            average = self.generated_tokens / uptime
+        gauges = {**gauges, "generated_tokens_per_second": self.recent_tokens_per_second(),
+                  "generated_tokens_per_second_since_start": average}
         for name, value in gauges.items():
             lines += [f"# TYPE kiln_{name} gauge", f"kiln_{name} {value}"]
         return "\n".join(lines) + "\n"

@@ -89,15 +89,18 @@ class RequestStream:
         if not self._done.is_set():
             self._cancel(self.request_id)
 
+    def _delta(self, item) -> Delta | None:
+        """The delta, or None at the end of the stream (raising the stream's error)."""
+        if item is _END:
+            if self._error is not None:
+                raise self._error
+            return None
+        return item
+
     def __iter__(self):
         try:
-            while True:
-                item = self._sync.get()
-                if item is _END:
-                    if self._error is not None:
-                        raise self._error
-                    return
-                yield item
+            while (delta := self._delta(self._sync.get())) is not None:
+                yield delta
         finally:
             self.cancel()
 
@@ -112,13 +115,8 @@ class RequestStream:
                     except queue.Empty:
                         break
         try:
-            while True:
-                item = await self._async.get()
-                if item is _END:
-                    if self._error is not None:
-                        raise self._error
-                    return
-                yield item
+            while (delta := self._delta(await self._async.get())) is not None:
+                yield delta
         finally:
             self.cancel()
 

@@ -11,7 +11,7 @@ from kiln.runtime.model_config import ModelConfig
 
 from ..targets import TargetSpec
 from .importer import ParamTable, import_graphs
-from .kv_cache import add_kv_cache_factory
+from .kv_cache import add_kv_cache_factory, use_kiln_cpu_attention
 from .pipeline import relax_pipeline
 
 
@@ -44,6 +44,8 @@ def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelC
     bb = relax.BlockBuilder(mod)
     add_kv_cache_factory(bb, config, tvm_target)
     mod = bb.get()
+    if target.kind == "llvm":
+        mod = use_kiln_cpu_attention(mod, config)
     with cuda_compile_mode(target):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
     return executable, params

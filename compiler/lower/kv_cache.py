@@ -7,6 +7,9 @@ page and attention kernels for this target) for the model's geometry.
 
 The runtime calls it by name with sizes chosen at load time; Kiln's own interfaces never
 see TVM's positional constructor. RoPE is applied by the graph, so the cache applies none.
+On CPU targets the cache's decode, paged-prefill and ragged-prefill attention kernels are
+Kiln's (``kernels/cpu_attention.py``: same signatures, multi-core and vectorized) instead
+of TVM's single-threaded ones.
 """
 
 from __future__ import annotations
@@ -52,3 +55,22 @@ def add_kv_cache_factory(bb: relax.BlockBuilder, config: ModelConfig, target, dt
             target=target,
         )
         bb.emit_func_output(cache._expr)  # noqa: SLF001
+
+
+def use_kiln_cpu_attention(mod, config: ModelConfig, dtype: str = "float32"):
+    """Put Kiln's CPU attention kernels in the cache's decode / prefill slots (the GlobalVar
+    names TIRPagedKVCache gives them)."""
+    from .kernels import cpu_attention as ka
+
+    kernels = {
+        "tir_attention_decode_cpu": ka.decode_paged(config.num_kv_heads, config.num_heads, config.head_dim, dtype,
+                                                    PAGE_SIZE),
+        "tir_attention_prefill_cpu": ka.prefill_paged(config.num_kv_heads, config.num_heads, config.head_dim, dtype,
+                                                      PAGE_SIZE),
+        "tir_attention_prefill_ragged_cpu": ka.prefill_ragged(config.num_kv_heads, config.num_heads,
+                                                              config.head_dim, config.head_dim, dtype),
+    }
+    for name, func in kernels.items():
+        gv = mod.get_global_var(name)
+        mod.update_func(gv, func)
+    return mod

@@ -97,8 +97,8 @@ class CPUMatmulNT(dl.ScheduleRule):
         # in rf's buffer so each accumulator row is contiguous.
         *_, k = sch.get_loops(main.block_rv)
         ko, ki = sch.split(k, [None, vec])
-        spatial = len(main.iters) - 1
-        rf = sch.rfactor(ki, factor_axis=spatial)
+        out_dims = len(sch.get(main.block_rv).writes[0].region)  # unit dims included
+        rf = sch.rfactor(ki, factor_axis=out_dims)
         # Tile rf: loops over the dims W shares with A (attention's batch and heads), then
         # N tiles across cores, every M row in turn, the K loop, and nt accumulator rows of
         # vec lanes. M is not tiled (tails would put a predicate in the vector loop) and
@@ -113,9 +113,19 @@ class CPUMatmulNT(dl.ScheduleRule):
         # Sum the lanes (and run the epilogue) right after each row's K loop, so the
         # accumulators are one [nt, vec] register block.
         sch.reverse_compute_at(main.block_rv, anchor, preserve_unit_loops=True)
+        # The lane sum's loops come out as (lane, ..., n): LLVM then vectorizes across the
+        # nt outputs with strided gathers, which costs as much as the K loop. Lane innermost
+        # makes each output one horizontal sum of a contiguous accumulator row.
+        n_iters = len(sch.get(main.block_rv).iter_vars)
+        lane_loop, *rest = sch.get_loops(main.block_rv)[-n_iters:]
+        if _static(sch.get(lane_loop).extent) == vec:
+            sch.reorder(*rest, lane_loop)
         if epilogue is not None:
             sch.reverse_compute_at(epilogue.block_rv, anchor, preserve_unit_loops=True)
-        sch.set_scope(rf, 0, "local")
+        # The accumulator block stays in "global" scope: TVM turns small constant-size
+        # global allocations into stack allocas (which LLVM keeps in registers) but
+        # heap-allocates "local" ones per iteration, whose pointer LLVM must assume aliases
+        # the operands, storing every accumulator after every FMA.
         sch.vectorize(r_ki)
         sch.unroll(r_ni)
         sch.decompose_reduction(rf, r_ko)  # zero the accumulators before the K loop

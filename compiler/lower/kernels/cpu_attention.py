@@ -1,0 +1,300 @@
+"""Kiln's CPU attention kernels for TVM's paged KV cache.
+
+They have exactly the signatures (and the log2-based softmax-state convention) of TVM's
+``_attention_decode_cpu`` / ``_attention_prefill_cpu`` / ``_attention_prefill_ragged_cpu``,
+so the cache calls them in their place; those are single-threaded scalar loops. These
+split the work over cores by (token, query head) and vectorize over the head dim:
+
+* keys are visited a page (or 16 rows) at a time: the block's scores, their max, one
+  rescale of the running output, then the weighted value rows (online softmax per block);
+* dot products accumulate VEC lanes at a time, then sum the lanes.
+
+Softmax state: scores s = q.k * sm_scale * log2(e); lse = m + log2(sum exp2(s - m)), so the
+cache can merge partial results (prefix blocks, ragged + paged parts) as TVM's do.
+Rotary embedding is never applied here (Kiln's graphs rotate q and k themselves), and
+sliding windows are not supported (TVM's kernels remain for those slots).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+LOG2E = math.log2(math.exp(1))
+NEG = -5e4
+VEC = 16
+BLOCK = 16  # keys per block in the ragged kernel
+
+
+def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+    group = h_q // h_kv
+    lanes = VEC if d % VEC == 0 else 1
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv(
+        Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle, var_length_info: T.handle, k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle, output_handle: T.handle, lse_handle: T.handle,
+        rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "kiln_batch_decode_paged_kv_cpu"})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
+                                           elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
+                                           elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+
+        for bh in T.parallel(B * h_q):
+            with T.sblock("attn"):
+                T.reads()  # opaque: the regions depend on page tables read inside
+                T.writes()
+                acc = T.sblock_alloc_buffer((d,), "float32")
+                lane = T.sblock_alloc_buffer((lanes,), "float32")
+                scores = T.sblock_alloc_buffer((page_size,), "float32")
+                state = T.sblock_alloc_buffer((3,), "float32")  # m, sum, block max
+                b: T.let[T.int32] = bh // h_q
+                h: T.let[T.int32] = bh % h_q
+                kvh: T.let[T.int32] = h // group
+                first: T.let[T.int32] = page_table_indptr[b]
+                num_pages: T.let[T.int32] = page_table_indptr[b + 1] - first
+                state[0] = T.float32(NEG)
+                state[1] = T.float32(0)
+                for i in T.vectorized(d):
+                    acc[i] = T.float32(0)
+                for p in T.serial(num_pages):
+                    page: T.let[T.int32] = page_table_values[first + p]
+                    rows: T.let[T.int32] = T.if_then_else(p == num_pages - 1, last_page_len[b], page_size)
+                    state[2] = T.float32(NEG)
+                    for j in T.serial(rows):
+                        for l in T.vectorized(lanes):
+                            lane[l] = T.float32(0)
+                        for c in T.serial(d // lanes):
+                            for l in T.vectorized(lanes):
+                                lane[l] = lane[l] + T.Cast("float32", Q[b, h, c * lanes + l]) * T.Cast(
+                                    "float32", pages[page, 0, kvh, j, c * lanes + l])
+                        scores[j] = T.float32(0)
+                        for l in T.serial(lanes):
+                            scores[j] = scores[j] + lane[l]
+                        scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
+                        state[2] = T.max(state[2], scores[j])
+                    # One rescale of the running output per page.
+                    m_new: T.let[T.float32] = T.max(state[0], state[2])
+                    alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
+                    state[1] = state[1] * alpha
+                    for i in T.vectorized(d):
+                        acc[i] = acc[i] * alpha
+                    for j in T.serial(rows):
+                        w: T.let[T.float32] = T.exp2(scores[j] - m_new)
+                        state[1] = state[1] + w
+                        for i in T.vectorized(d):
+                            acc[i] = acc[i] + w * T.Cast("float32", pages[page, 1, kvh, j, i])
+                    state[0] = m_new
+                inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
+                                                       T.float32(0))
+                for i in T.vectorized(d):
+                    output[b, h, i] = T.Cast(dtype, acc[i] * inv)
+                lse[b, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]), T.float32(NEG))
+
+    return batch_decode_paged_kv
+
+
+def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+    group = h_q // h_kv
+    lanes = VEC if d % VEC == 0 else 1
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_paged_kv_cpu(
+        var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+        var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "kiln_batch_prefill_paged_kv_cpu"})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
+
+        for b in T.serial(batch_size):
+            for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                with T.sblock("attn"):
+                    T.reads()  # opaque: the regions depend on index tables read inside
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((d,), "float32")
+                    lane = T.sblock_alloc_buffer((lanes,), "float32")
+                    scores = T.sblock_alloc_buffer((page_size,), "float32")
+                    state = T.sblock_alloc_buffer((3,), "float32")
+                    row: T.let[T.int32] = th // h_q
+                    h: T.let[T.int32] = th % h_q
+                    kvh: T.let[T.int32] = h // group
+                    token: T.let[T.int32] = q_indptr[b] + row
+                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    first: T.let[T.int32] = page_indptr[b]
+                    num_pages: T.let[T.int32] = page_indptr[b + 1] - first
+                    kv_len: T.let[T.int32] = T.if_then_else(num_pages > 0, (num_pages - 1) * page_size
+                                                            + last_page_len[b], 0)
+                    # Causal: query row i sees keys j < kv_len - qo_len + i + 1 (bottom-right).
+                    visible: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len - qo_len + row + 1, kv_len),
+                                                             kv_len)
+                    state[0] = T.float32(NEG)
+                    state[1] = T.float32(0)
+                    for i in T.vectorized(d):
+                        acc[i] = T.float32(0)
+                    for p in T.serial((visible + page_size - 1) // page_size):
+                        page: T.let[T.int32] = page_values[first + p]
+                        rows: T.let[T.int32] = T.min(visible - p * page_size, page_size)
+                        state[2] = T.float32(NEG)
+                        for j in T.serial(rows):
+                            for l in T.vectorized(lanes):
+                                lane[l] = T.float32(0)
+                            for c in T.serial(d // lanes):
+                                for l in T.vectorized(lanes):
+                                    lane[l] = lane[l] + T.Cast("float32", q[token, h, c * lanes + l]) * T.Cast(
+                                        "float32", pages[page, 0, kvh, j, c * lanes + l])
+                            scores[j] = T.float32(0)
+                            for l in T.serial(lanes):
+                                scores[j] = scores[j] + lane[l]
+                            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
+                            state[2] = T.max(state[2], scores[j])
+                        m_new: T.let[T.float32] = T.max(state[0], state[2])
+                        alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
+                        state[1] = state[1] * alpha
+                        for i in T.vectorized(d):
+                            acc[i] = acc[i] * alpha
+                        for j in T.serial(rows):
+                            w: T.let[T.float32] = T.exp2(scores[j] - m_new)
+                            state[1] = state[1] + w
+                            for i in T.vectorized(d):
+                                acc[i] = acc[i] + w * T.Cast("float32", pages[page, 1, kvh, j, i])
+                        state[0] = m_new
+                    inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
+                                                           T.float32(0))
+                    for i in T.vectorized(d):
+                        output[token, h, i] = T.Cast(dtype, acc[i] * inv)
+                    lse[token, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]),
+                                                   T.float32(NEG))
+
+    return batch_prefill_paged_kv_cpu
+
+
+def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
+    group = h_q // h_kv
+    lanes = VEC if d_qk % VEC == 0 else 1
+
+    @T.prim_func(s_tir=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "kiln_batch_prefill_ragged_kv_cpu"})
+        batch_size = T.int32()
+        qo_len_total = T.int32()
+        kv_len_total = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len_total, h_q, d_qk), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        k = T.match_buffer(var_k, (kv_len_total, h_kv, d_qk), dtype)
+        v = T.match_buffer(var_v, (kv_len_total, h_kv, d_v), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len_total,), "int32",
+                                         elem_offset=q_rope_position_elem_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
+                                           elem_offset=k_rope_pos_offset_elem_offset)
+        output = T.match_buffer(var_output, (qo_len_total, h_q, d_v), dtype)
+        lse = T.match_buffer(var_lse, (qo_len_total, h_q), "float32")
+
+        for b in T.serial(batch_size):
+            for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+                with T.sblock("attn"):
+                    T.reads()  # opaque: the regions depend on index tables read inside
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((d_v,), "float32")
+                    lane = T.sblock_alloc_buffer((lanes,), "float32")
+                    scores = T.sblock_alloc_buffer((BLOCK,), "float32")
+                    state = T.sblock_alloc_buffer((3,), "float32")
+                    row: T.let[T.int32] = th // h_q
+                    h: T.let[T.int32] = th % h_q
+                    kvh: T.let[T.int32] = h // group
+                    token: T.let[T.int32] = q_indptr[b] + row
+                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    kv_first: T.let[T.int32] = kv_indptr[b]
+                    kv_len: T.let[T.int32] = kv_indptr[b + 1] - kv_first
+                    visible: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len - qo_len + row + 1, kv_len),
+                                                             kv_len)
+                    state[0] = T.float32(NEG)
+                    state[1] = T.float32(0)
+                    for i in T.vectorized(d_v):
+                        acc[i] = T.float32(0)
+                    for blk in T.serial((visible + BLOCK - 1) // BLOCK):
+                        rows: T.let[T.int32] = T.min(visible - blk * BLOCK, BLOCK)
+                        state[2] = T.float32(NEG)
+                        for j in T.serial(rows):
+                            for l in T.vectorized(lanes):
+                                lane[l] = T.float32(0)
+                            for c in T.serial(d_qk // lanes):
+                                for l in T.vectorized(lanes):
+                                    lane[l] = lane[l] + T.Cast("float32", q[token, h, c * lanes + l]) * T.Cast(
+                                        "float32", k[kv_first + blk * BLOCK + j, kvh, c * lanes + l])
+                            scores[j] = T.float32(0)
+                            for l in T.serial(lanes):
+                                scores[j] = scores[j] + lane[l]
+                            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
+                            state[2] = T.max(state[2], scores[j])
+                        m_new: T.let[T.float32] = T.max(state[0], state[2])
+                        alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
+                        state[1] = state[1] * alpha
+                        for i in T.vectorized(d_v):
+                            acc[i] = acc[i] * alpha
+                        for j in T.serial(rows):
+                            w: T.let[T.float32] = T.exp2(scores[j] - m_new)
+                            state[1] = state[1] + w
+                            for i in T.vectorized(d_v):
+                                acc[i] = acc[i] + w * T.Cast("float32", v[kv_first + blk * BLOCK + j, kvh, i])
+                        state[0] = m_new
+                    inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
+                                                           T.float32(0))
+                    for i in T.vectorized(d_v):
+                        output[token, h, i] = T.Cast(dtype, acc[i] * inv)
+                    lse[token, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]),
+                                                   T.float32(NEG))
+
+    return batch_prefill_ragged_kv

@@ -1,0 +1,1 @@
+"""kiln.runtime.server: the OpenAI-compatible HTTP server (FastAPI + uvicorn)."""

@@ -1,0 +1,102 @@
+"""OpenAI request bodies (plus Kiln's sampling extensions), validated by pydantic and
+turned into ``SamplingParams`` once, here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import InvalidRequestError
+from ..sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    # Unknown fields are rejected by name rather than silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    user: str | None = None
+    # Kiln / vLLM extensions
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value):
+        if value is None:
+            return value
+        for key, bias in value.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias}")
+        return value
+
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()), seed=self.seed,
+                stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs, n=self.n)
+        except InvalidRequestError:
+            raise
+        except ValueError as err:
+            raise InvalidRequestError("body", str(err)) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: Literal[False] = False
+    best_of: int | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            if len(value) != 1:
+                raise ValueError("send one prompt per request (batching happens in the server)")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
