@@ -5,14 +5,15 @@ They have exactly the signatures (and the log2-based softmax-state convention) o
 so the cache calls them in their place; those are single-threaded scalar loops. These
 split the work over cores by (token, query head) and vectorize over the head dim:
 
-* keys are visited a page (or 16 rows) at a time: the block's scores, their max, one
-  rescale of the running output, then the weighted value rows (online softmax per block);
+* keys are visited a block (one page, or 16 ragged rows) at a time: the block's scores,
+  their max, one rescale of the running output, then the weighted value rows (online
+  softmax per block); a block is a [rows, d] view of the page or of the ragged K / V;
 * dot products accumulate VEC lanes at a time, then sum the lanes.
 
 Softmax state: scores s = q.k * sm_scale * log2(e); lse = m + log2(sum exp2(s - m)), so the
 cache can merge partial results (prefix blocks, ragged + paged parts) as TVM's do.
 Rotary embedding is never applied here (Kiln's graphs rotate q and k themselves), and
-sliding windows are not supported (TVM's kernels remain for those slots).
+sliding windows are not supported (TVM's kernels remain in those slots).
 """
 
 from __future__ import annotations
@@ -27,9 +28,62 @@ VEC = 16
 BLOCK = 16  # keys per block in the ragged kernel
 
 
+def _core(d: int, dtype: str, block: int):
+    """The online-softmax steps every kernel shares, as TVMScript macros. Per task:
+    acc [d] running output, lane [VEC] dot-product lanes, scores [block], state [3] =
+    (running max m, running sum, block max)."""
+    lanes = VEC if d % VEC == 0 else 1
+
+    @T.macro
+    def start(acc: T.Buffer, state: T.Buffer):
+        state[0] = T.float32(NEG)
+        state[1] = T.float32(0)
+        for i in T.vectorized(d):
+            acc[i] = T.float32(0)
+
+    @T.macro
+    def attend(acc: T.Buffer, lane: T.Buffer, scores: T.Buffer, state: T.Buffer, q: T.Buffer,
+               row: T.int32, h: T.int32, keys: T.Buffer, values: T.Buffer, rows: T.int32, sm_scale: T.float32):
+        # keys, values: [block, d] views; q[row, h, :] is the query.
+        state[2] = T.float32(NEG)
+        for j in T.serial(rows):
+            for l in T.vectorized(lanes):
+                lane[l] = T.float32(0)
+            for c in T.serial(d // lanes):
+                for l in T.vectorized(lanes):
+                    lane[l] = lane[l] + T.Cast("float32", q[row, h, c * lanes + l]) * T.Cast(
+                        "float32", keys[j, c * lanes + l])
+            scores[j] = T.float32(0)
+            for l in T.serial(lanes):
+                scores[j] = scores[j] + lane[l]
+            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
+            state[2] = T.max(state[2], scores[j])
+        # One rescale of the running output per block.
+        m_new: T.let[T.float32] = T.max(state[0], state[2])
+        alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
+        state[0] = m_new
+        state[1] = state[1] * alpha
+        for i in T.vectorized(d):
+            acc[i] = acc[i] * alpha
+        for j in T.serial(rows):
+            w: T.let[T.float32] = T.exp2(scores[j] - state[0])
+            state[1] = state[1] + w
+            for i in T.vectorized(d):
+                acc[i] = acc[i] + w * T.Cast("float32", values[j, i])
+
+    @T.macro
+    def finish(acc: T.Buffer, state: T.Buffer, output: T.Buffer, lse: T.Buffer, row: T.int32, h: T.int32):
+        inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1], T.float32(0))
+        for i in T.vectorized(d):
+            output[row, h, i] = T.Cast(dtype, acc[i] * inv)
+        lse[row, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]), T.float32(NEG))
+
+    return lanes, start, attend, finish
+
+
 def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
     group = h_q // h_kv
-    lanes = VEC if d % VEC == 0 else 1
+    lanes, start, attend, finish = _core(d, dtype, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
@@ -63,61 +117,33 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
 
         for bh in T.parallel(B * h_q):
             with T.sblock("attn"):
-                T.reads()  # opaque: the regions depend on page tables read inside
+                T.reads()  # opaque: the regions depend on the page table read inside
                 T.writes()
                 acc = T.sblock_alloc_buffer((d,), "float32")
                 lane = T.sblock_alloc_buffer((lanes,), "float32")
                 scores = T.sblock_alloc_buffer((page_size,), "float32")
-                state = T.sblock_alloc_buffer((3,), "float32")  # m, sum, block max
+                state = T.sblock_alloc_buffer((3,), "float32")
                 b: T.let[T.int32] = bh // h_q
                 h: T.let[T.int32] = bh % h_q
-                kvh: T.let[T.int32] = h // group
                 first: T.let[T.int32] = page_table_indptr[b]
                 num_pages: T.let[T.int32] = page_table_indptr[b + 1] - first
-                state[0] = T.float32(NEG)
-                state[1] = T.float32(0)
-                for i in T.vectorized(d):
-                    acc[i] = T.float32(0)
+                start(acc, state)
                 for p in T.serial(num_pages):
                     page: T.let[T.int32] = page_table_values[first + p]
-                    rows: T.let[T.int32] = T.if_then_else(p == num_pages - 1, last_page_len[b], page_size)
-                    state[2] = T.float32(NEG)
-                    for j in T.serial(rows):
-                        for l in T.vectorized(lanes):
-                            lane[l] = T.float32(0)
-                        for c in T.serial(d // lanes):
-                            for l in T.vectorized(lanes):
-                                lane[l] = lane[l] + T.Cast("float32", Q[b, h, c * lanes + l]) * T.Cast(
-                                    "float32", pages[page, 0, kvh, j, c * lanes + l])
-                        scores[j] = T.float32(0)
-                        for l in T.serial(lanes):
-                            scores[j] = scores[j] + lane[l]
-                        scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
-                        state[2] = T.max(state[2], scores[j])
-                    # One rescale of the running output per page.
-                    m_new: T.let[T.float32] = T.max(state[0], state[2])
-                    alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
-                    state[1] = state[1] * alpha
-                    for i in T.vectorized(d):
-                        acc[i] = acc[i] * alpha
-                    for j in T.serial(rows):
-                        w: T.let[T.float32] = T.exp2(scores[j] - m_new)
-                        state[1] = state[1] + w
-                        for i in T.vectorized(d):
-                            acc[i] = acc[i] + w * T.Cast("float32", pages[page, 1, kvh, j, i])
-                    state[0] = m_new
-                inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
-                                                       T.float32(0))
-                for i in T.vectorized(d):
-                    output[b, h, i] = T.Cast(dtype, acc[i] * inv)
-                lse[b, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]), T.float32(NEG))
+                    keys = T.decl_buffer((page_size, d), dtype, data=pages.data,
+                                         elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
+                    values = T.decl_buffer((page_size, d), dtype, data=pages.data,
+                                           elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
+                    attend(acc, lane, scores, state, Q, b, h, keys, values,
+                           T.if_then_else(p == num_pages - 1, last_page_len[b], page_size), sm_scale)
+                finish(acc, state, output, lse, b, h)
 
     return batch_decode_paged_kv
 
 
 def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
     group = h_q // h_kv
-    lanes = VEC if d % VEC == 0 else 1
+    lanes, start, attend, finish = _core(d, dtype, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -153,68 +179,41 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
         for b in T.serial(batch_size):
             for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
                 with T.sblock("attn"):
-                    T.reads()  # opaque: the regions depend on index tables read inside
+                    T.reads()  # opaque: the regions depend on the index tables read inside
                     T.writes()
                     acc = T.sblock_alloc_buffer((d,), "float32")
                     lane = T.sblock_alloc_buffer((lanes,), "float32")
                     scores = T.sblock_alloc_buffer((page_size,), "float32")
                     state = T.sblock_alloc_buffer((3,), "float32")
-                    row: T.let[T.int32] = th // h_q
                     h: T.let[T.int32] = th % h_q
-                    kvh: T.let[T.int32] = h // group
-                    token: T.let[T.int32] = q_indptr[b] + row
-                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    token: T.let[T.int32] = q_indptr[b] + th // h_q
                     first: T.let[T.int32] = page_indptr[b]
                     num_pages: T.let[T.int32] = page_indptr[b + 1] - first
                     kv_len: T.let[T.int32] = T.if_then_else(num_pages > 0, (num_pages - 1) * page_size
                                                             + last_page_len[b], 0)
                     # Causal: query row i sees keys j < kv_len - qo_len + i + 1 (bottom-right).
-                    visible: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len - qo_len + row + 1, kv_len),
-                                                             kv_len)
-                    state[0] = T.float32(NEG)
-                    state[1] = T.float32(0)
-                    for i in T.vectorized(d):
-                        acc[i] = T.float32(0)
+                    visible: T.let[T.int32] = T.if_then_else(
+                        causal > 0, T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + th // h_q + 1, kv_len), kv_len)
+                    start(acc, state)
                     for p in T.serial((visible + page_size - 1) // page_size):
                         page: T.let[T.int32] = page_values[first + p]
-                        rows: T.let[T.int32] = T.min(visible - p * page_size, page_size)
-                        state[2] = T.float32(NEG)
-                        for j in T.serial(rows):
-                            for l in T.vectorized(lanes):
-                                lane[l] = T.float32(0)
-                            for c in T.serial(d // lanes):
-                                for l in T.vectorized(lanes):
-                                    lane[l] = lane[l] + T.Cast("float32", q[token, h, c * lanes + l]) * T.Cast(
-                                        "float32", pages[page, 0, kvh, j, c * lanes + l])
-                            scores[j] = T.float32(0)
-                            for l in T.serial(lanes):
-                                scores[j] = scores[j] + lane[l]
-                            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
-                            state[2] = T.max(state[2], scores[j])
-                        m_new: T.let[T.float32] = T.max(state[0], state[2])
-                        alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
-                        state[1] = state[1] * alpha
-                        for i in T.vectorized(d):
-                            acc[i] = acc[i] * alpha
-                        for j in T.serial(rows):
-                            w: T.let[T.float32] = T.exp2(scores[j] - m_new)
-                            state[1] = state[1] + w
-                            for i in T.vectorized(d):
-                                acc[i] = acc[i] + w * T.Cast("float32", pages[page, 1, kvh, j, i])
-                        state[0] = m_new
-                    inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
-                                                           T.float32(0))
-                    for i in T.vectorized(d):
-                        output[token, h, i] = T.Cast(dtype, acc[i] * inv)
-                    lse[token, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]),
-                                                   T.float32(NEG))
+                        keys = T.decl_buffer((page_size, d), dtype, data=pages.data,
+                                             elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
+                        values = T.decl_buffer((page_size, d), dtype, data=pages.data,
+                                               elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
+                        attend(acc, lane, scores, state, q, token, h, keys, values,
+                               T.min(visible - p * page_size, page_size), sm_scale)
+                    finish(acc, state, output, lse, token, h)
 
     return batch_prefill_paged_kv_cpu
 
 
 def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
+    if d_qk != d_v:
+        raise ValueError("Kiln's ragged CPU kernel needs equal q/k and v head dims")
+    d = d_qk
     group = h_q // h_kv
-    lanes = VEC if d_qk % VEC == 0 else 1
+    lanes, start, attend, finish = _core(d, dtype, BLOCK)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -230,71 +229,42 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len_total, h_q, d_qk), dtype)
+        q = T.match_buffer(var_q, (qo_len_total, h_q, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len_total, h_kv, d_qk), dtype)
-        v = T.match_buffer(var_v, (kv_len_total, h_kv, d_v), dtype)
+        k = T.match_buffer(var_k, (kv_len_total, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len_total, h_kv, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len_total,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len_total, h_q, d_v), dtype)
+        output = T.match_buffer(var_output, (qo_len_total, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len_total, h_q), "float32")
 
         for b in T.serial(batch_size):
             for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
                 with T.sblock("attn"):
-                    T.reads()  # opaque: the regions depend on index tables read inside
+                    T.reads()  # opaque: the regions depend on the index tables read inside
                     T.writes()
-                    acc = T.sblock_alloc_buffer((d_v,), "float32")
+                    acc = T.sblock_alloc_buffer((d,), "float32")
                     lane = T.sblock_alloc_buffer((lanes,), "float32")
                     scores = T.sblock_alloc_buffer((BLOCK,), "float32")
                     state = T.sblock_alloc_buffer((3,), "float32")
-                    row: T.let[T.int32] = th // h_q
                     h: T.let[T.int32] = th % h_q
-                    kvh: T.let[T.int32] = h // group
-                    token: T.let[T.int32] = q_indptr[b] + row
-                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    token: T.let[T.int32] = q_indptr[b] + th // h_q
                     kv_first: T.let[T.int32] = kv_indptr[b]
                     kv_len: T.let[T.int32] = kv_indptr[b + 1] - kv_first
-                    visible: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len - qo_len + row + 1, kv_len),
-                                                             kv_len)
-                    state[0] = T.float32(NEG)
-                    state[1] = T.float32(0)
-                    for i in T.vectorized(d_v):
-                        acc[i] = T.float32(0)
+                    visible: T.let[T.int32] = T.if_then_else(
+                        causal > 0, T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + th // h_q + 1, kv_len), kv_len)
+                    start(acc, state)
                     for blk in T.serial((visible + BLOCK - 1) // BLOCK):
-                        rows: T.let[T.int32] = T.min(visible - blk * BLOCK, BLOCK)
-                        state[2] = T.float32(NEG)
-                        for j in T.serial(rows):
-                            for l in T.vectorized(lanes):
-                                lane[l] = T.float32(0)
-                            for c in T.serial(d_qk // lanes):
-                                for l in T.vectorized(lanes):
-                                    lane[l] = lane[l] + T.Cast("float32", q[token, h, c * lanes + l]) * T.Cast(
-                                        "float32", k[kv_first + blk * BLOCK + j, kvh, c * lanes + l])
-                            scores[j] = T.float32(0)
-                            for l in T.serial(lanes):
-                                scores[j] = scores[j] + lane[l]
-                            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
-                            state[2] = T.max(state[2], scores[j])
-                        m_new: T.let[T.float32] = T.max(state[0], state[2])
-                        alpha: T.let[T.float32] = T.exp2(state[0] - m_new)
-                        state[1] = state[1] * alpha
-                        for i in T.vectorized(d_v):
-                            acc[i] = acc[i] * alpha
-                        for j in T.serial(rows):
-                            w: T.let[T.float32] = T.exp2(scores[j] - m_new)
-                            state[1] = state[1] + w
-                            for i in T.vectorized(d_v):
-                                acc[i] = acc[i] + w * T.Cast("float32", v[kv_first + blk * BLOCK + j, kvh, i])
-                        state[0] = m_new
-                    inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1],
-                                                           T.float32(0))
-                    for i in T.vectorized(d_v):
-                        output[token, h, i] = T.Cast(dtype, acc[i] * inv)
-                    lse[token, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]),
-                                                   T.float32(NEG))
+                        # Rows of one KV head in the ragged [tokens, h_kv, d] layout: stride h_kv * d.
+                        keys = T.decl_buffer((BLOCK, d), dtype, data=k.data, strides=(h_kv * d, 1),
+                                             elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
+                        values = T.decl_buffer((BLOCK, d), dtype, data=v.data, strides=(h_kv * d, 1),
+                                               elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
+                        attend(acc, lane, scores, state, q, token, h, keys, values,
+                               T.min(visible - blk * BLOCK, BLOCK), sm_scale)
+                    finish(acc, state, output, lse, token, h)
 
     return batch_prefill_ragged_kv
