@@ -164,8 +164,8 @@ def test_disconnect_mid_stream_frees_pages(url, engine, monkeypatch):
     _wait_idle(engine)
     forward = engine._executor.forward
 
-    def slow(cache, chunks):  # ~50 ms a step: the request would run for seconds
-        time.sleep(0.05)
+    def slow(cache, chunks):  # 0.2 s a step: run to the end, the request would take 20 s
+        time.sleep(0.2)
         return forward(cache, chunks)
 
     monkeypatch.setattr(engine._executor, "forward", slow)
