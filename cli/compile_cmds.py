@@ -8,6 +8,9 @@ import click
 
 from .main import cli, handle_errors
 
+# The scheme registry is plain Python (no torch): safe to import for the CLI's choices.
+from kiln.runtime.quantization import SCHEMES  # noqa: E402
+
 TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm_89|sm_90"
 
 
@@ -20,15 +23,23 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
               help="longest sequence served (prompt + output) [default: the model's, capped at 8192]")
 @click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="write each compiler phase's ONNX graphs here")
+@click.option("--quant", type=click.Choice(list(SCHEMES)), default="fp32", show_default=True,
+              help="weight storage: int8 per output channel, int4 per block of 32/64/128, or fp16")
+@click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
+              help="also quantize the token embedding table")
+@click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
+              help="also quantize the LM head")
 @handle_errors
-def compile_command(model, target, out, context_length, dump_dir):
+def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head):
     """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
     from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
+    from kiln.runtime.quantization import parse_quant
     from kiln.compiler.targets import parse_target
 
     spec = parse_target(target)
-    options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir)
-    out = out or default_out_dir(model, spec)
+    options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir,
+                             quant=parse_quant(quant, quant_embedding, quant_lm_head))
+    out = out or default_out_dir(model, spec, options.quant)
     path = compile_model(model, out, options, log=lambda m: click.echo(m, err=True))
     click.echo(str(path))
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from kiln.runtime.artifact import LIBRARY_FILE, PARAMS_FILE, SCHEMA_VERSION, FunctionSpec, Manifest
 from kiln.runtime.version import __version__
@@ -17,9 +16,11 @@ from kiln.runtime.version import __version__
 from .artifact_writer import write_artifact, write_params
 from .export.onnx_export import ExportedGraphs, export_graphs
 from .lower.build import build_module, export_library
+from .lower.importer import param_arrays
 from .lower.kv_cache import CACHE_ARGS, FACTORY, PAGE_SIZE
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
+from kiln.runtime.quantization import SCHEMES, QuantConfig
 from .targets import TargetSpec
 
 
@@ -28,6 +29,7 @@ class CompileOptions:
     target: TargetSpec
     context_length: int | None = None
     dump_dir: Path | None = None
+    quant: QuantConfig = QuantConfig(SCHEMES["fp32"])
 
     def __post_init__(self):
         if self.context_length is not None and self.context_length < 2:
@@ -52,7 +54,7 @@ def compile_model(model: str | Path, out_dir: str | Path, options: CompileOption
     with _step(log, "export ONNX"):
         graphs = export_graphs(module)
     del module
-    graphs = run_passes(graphs, options.dump_dir, log)
+    graphs = run_passes(graphs, options.dump_dir, log, options.quant)
     return compile_graphs(source, graphs, out_dir, options, log)
 
 
@@ -65,12 +67,11 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
     with _step(log, f"build for {options.target.key}"):
         executable, params = build_module(dict(graphs.items()), options.target, config)
 
-    weights = _initializer_arrays(graphs)
-
     def build(tmp: Path):
         with _step(log, "write artifact"):
             export_library(executable, tmp / LIBRARY_FILE, options.target)
-            entries = write_params(tmp / PARAMS_FILE, [(p.name, weights[p.name]) for p in params.specs])
+            arrays = param_arrays(dict(graphs.items()), params)
+            entries = write_params(tmp / PARAMS_FILE, [(p.name, a) for p, a in zip(params.specs, arrays)])
             tokenizer_files = source.load_tokenizer().write(tmp)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
@@ -80,7 +81,7 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             source=source.origin,
             model=config,
             target=target_info,
-            quantization="fp32",
+            quantization=options.quant.scheme.name,
             activation_dtype="float32",
             kv_cache={"layout": "paged", "dtype": "float32", "page_size": PAGE_SIZE,
                       "num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
@@ -93,28 +94,22 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             },
             params=entries,
             files={},
+            extra={"quantization": options.quant.describe()},
         )
         return manifest, [LIBRARY_FILE, PARAMS_FILE, *tokenizer_files]
 
     return write_artifact(Path(out_dir), build)
 
 
-def _initializer_arrays(graphs: ExportedGraphs) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for _, model in graphs.items():
-        for name, value in model.graph.initializers.items():
-            if name not in out and value.const_value is not None:
-                out[name] = value.const_value.numpy()
-    return out
-
-
-def default_out_dir(model: str | Path, target: TargetSpec) -> Path:
-    """``artifacts/<model name>-<target key>``: a convenience name only; the manifest,
-    not the folder name, says what an artifact is."""
+def default_out_dir(model: str | Path, target: TargetSpec, quant: QuantConfig | None = None) -> Path:
+    """``artifacts/<model name>[-<quant>]-<target key>``: a convenience name only (so
+    builds of one model do not overwrite each other); the manifest, not the folder name,
+    says what an artifact is."""
     if str(model) == "default":
         stem = "smollm2-135m-instruct"
     else:
         path = Path(model)
         stem = (path.stem if path.suffix == ".gguf" else path.resolve().name).lower()
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)
-    return Path("artifacts") / f"{safe}-{target.key}"
+    scheme = "" if quant is None or quant.is_float else f"-{quant.scheme.name}"
+    return Path("artifacts") / f"{safe}{scheme}-{target.key}"

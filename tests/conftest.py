@@ -82,3 +82,21 @@ def smollm2_source():
 @pytest.fixture(scope="session")
 def smollm2_module(smollm2_source):
     return smollm2_source.build_module()
+
+
+@pytest.fixture(scope="session")
+def smollm2_graphs(smollm2_source, smollm2_module):
+    """(source, fresh_graphs): the default model exported once; ``fresh_graphs()`` returns
+    a private copy (passes rewrite graphs in place)."""
+    import onnx_ir as ir
+
+    from kiln.compiler.export.onnx_export import ExportedGraphs, export_graphs
+
+    exported = export_graphs(smollm2_module)
+    protos = {name: ir.to_proto(model) for name, model in exported.items()}
+    del exported
+
+    def fresh_graphs() -> ExportedGraphs:
+        return ExportedGraphs(**{name: ir.from_proto(proto) for name, proto in protos.items()})
+
+    return smollm2_source, fresh_graphs

@@ -27,6 +27,8 @@ class ConvertContext:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # The paged KV cache object this function takes, when it has paged attention.
     kv_cache: relax.Var | None = None
+    # Weight-only quantized weights by ONNX value name (converters/quantized.py).
+    quantized: dict = field(default_factory=dict)
 
     def dim(self, name: str) -> tirx.Var:
         if name not in self.dims:

@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 
 from .context import ConvertContext, relax_dtype
+from .quant_weights import stored_arrays, stored_specs, weight_storages
 from .registry import lookup
 
 # Kiln ops that read or write the paged KV cache: their function takes the cache object.
@@ -57,18 +58,43 @@ def _is_param(value: ir.Value) -> bool:
 
 
 def collect_params(graphs: dict[str, ir.Model]) -> ParamTable:
-    """Union of the graphs' weights by name; a name must mean the same tensor in each."""
+    """Union of the graphs' weights by name; a name must mean the same tensor in each.
+    Quantized weights get the shape and dtype Kiln stores them in (``quant_weights``)."""
+    stored = {}
+    for storage in weight_storages(graphs.items()).values():
+        stored.update(stored_specs(storage))
     specs: dict[str, ParamSpec] = {}
     for gname, model in graphs.items():
         for name, value in model.graph.initializers.items():
             if not _is_param(value):
                 continue
-            spec = ParamSpec(name, tuple(int(d) for d in value.const_value.shape.numpy()),
-                             relax_dtype(value.const_value.dtype))
+            shape, dtype = stored.get(name) or (tuple(int(d) for d in value.const_value.shape.numpy()),
+                                                relax_dtype(value.const_value.dtype))
+            spec = ParamSpec(name, tuple(shape), dtype)
             if name in specs and specs[name] != spec:
                 raise ValueError(f"weight {name!r} differs between graphs ({specs[name]} vs {spec} in {gname})")
             specs.setdefault(name, spec)
     return ParamTable(tuple(specs.values()))
+
+
+def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.ndarray]:
+    """The arrays of ``params``, in order, as the compiled module takes them."""
+    values: dict[str, ir.Value] = {}
+    for _, model in graphs.items():
+        for name, value in model.graph.initializers.items():
+            values.setdefault(name, value)
+    arrays: dict[str, np.ndarray] = {}
+    for storage in weight_storages(graphs.items()).values():
+        scale = values[storage.scale].const_value.numpy() if storage.scale else None
+        arrays.update(stored_arrays(storage, values[storage.data].const_value.numpy(), scale))
+    out = []
+    for spec in params.specs:
+        array = arrays[spec.name] if spec.name in arrays else values[spec.name].const_value.numpy()
+        if tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
+            raise ValueError(f"weight {spec.name!r}: stored as {array.dtype}{list(array.shape)}, "
+                             f"the module expects {spec.dtype}{list(spec.shape)}")
+        out.append(array)
+    return out
 
 
 def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None) -> tuple[tvm.IRModule, ParamTable]:

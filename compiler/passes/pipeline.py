@@ -5,6 +5,9 @@ run in onnxruntime.
 Phases (in order):
   exported                what the torch exporter produced (standard opset-23 ops,
                           explicit KV; onnxruntime runs it: the oracle of `kiln verify`)
+  quantize-weights        (``--quant`` other than fp32) weights -> int8 / int4 / fp16 storage
+                          with standard DequantizeLinear / Cast; still onnxruntime-runnable
+                          (passes/quantize_weights.py)
   paged-attention         each layer's Attention over past/present -> kiln::PagedAttention
                           on the runtime's paged KV cache (passes/paged_attention.py)
   select-logit-positions  prefill returns logits at given token positions, for ragged
@@ -19,21 +22,32 @@ from typing import Callable
 import onnx_ir as ir
 
 from ..export.onnx_export import ExportedGraphs
+from kiln.runtime.quantization import QuantConfig
 from .paged_attention import rewrite_paged_attention
+from .quantize_weights import quantize_weights
 from .select_logit_positions import select_logit_positions
 
-# (phase name, pass, graphs it applies to). A pass rewrites an onnx-ir model in place and
-# returns it.
-PASSES: list[tuple[str, Callable[[ir.Model], ir.Model], tuple[str, ...]]] = [
-    ("paged-attention", rewrite_paged_attention, ("prefill", "decode")),
-    ("select-logit-positions", select_logit_positions, ("prefill",)),
-]
+Phase = tuple[str, Callable[[ir.Model], ir.Model], tuple[str, ...]]
 
 
-def run_passes(graphs: ExportedGraphs, dump_dir: Path | None = None, log=lambda _: None) -> ExportedGraphs:
+def phases(quant: QuantConfig | None = None) -> list[Phase]:
+    """(phase name, pass, graphs it applies to), in order. A pass rewrites an onnx-ir
+    model in place and returns it."""
+    out: list[Phase] = []
+    if quant is not None and not quant.is_float:
+        out.append(("quantize-weights", quantize_weights(quant), ("prefill", "decode")))
+    out += [
+        ("paged-attention", rewrite_paged_attention, ("prefill", "decode")),
+        ("select-logit-positions", select_logit_positions, ("prefill",)),
+    ]
+    return out
+
+
+def run_passes(graphs: ExportedGraphs, dump_dir: Path | None = None, log=lambda _: None,
+               quant: QuantConfig | None = None) -> ExportedGraphs:
     if dump_dir is not None:
         save_graphs(graphs, Path(dump_dir), "0-exported")
-    for i, (phase, fn, targets) in enumerate(PASSES, start=1):
+    for i, (phase, fn, targets) in enumerate(phases(quant), start=1):
         graphs = ExportedGraphs(**{name: fn(model) if name in targets else model for name, model in graphs.items()})
         log(f"pass {phase}")
         if dump_dir is not None:

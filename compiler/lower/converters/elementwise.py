@@ -7,6 +7,7 @@ from tvm.relax import op as R
 
 from ..context import attr, relax_dtype
 from ..registry import converter
+from . import quantized
 
 import onnx_ir as ir
 
@@ -27,6 +28,9 @@ def unary(ctx, node, inputs):
 
 @converter("Cast")
 def cast(ctx, node, inputs):
+    weight = quantized.record(ctx, node, inputs)  # Cast(float16 weight) is fp16 weight storage
+    if weight is not None:
+        return weight
     return R.astype(inputs[0], relax_dtype(ir.DataType(attr(node, "to"))))
 
 

@@ -9,10 +9,14 @@ from tvm.relax import op as R
 
 from ..context import attr
 from ..registry import converter
+from . import quantized
 
 
 @converter("MatMul")
 def matmul(ctx, node, inputs):
+    fused = quantized.fused_matmul(ctx, node, inputs)
+    if fused is not None:
+        return fused
     return R.matmul(inputs[0], inputs[1])
 
 

@@ -8,12 +8,16 @@ from tvm.relax import op as R
 
 from ..context import attr, shape
 from ..registry import converter
+from . import quantized
 
 
 @converter("Gather")
 def gather(ctx, node, inputs):
     data, indices = inputs
     axis = attr(node, "axis", 0)
+    fused = quantized.fused_take(ctx, node, inputs, axis)
+    if fused is not None:
+        return fused
     # ONNX allows negative indices; "wrap" maps -1 to the last element along axis.
     known = ctx.constant(node.inputs[1])
     mode = "wrap" if known is None or np.any(known < 0) else "fast"
@@ -23,6 +27,7 @@ def gather(ctx, node, inputs):
 @converter("Transpose")
 def transpose(ctx, node, inputs):
     perm = attr(node, "perm")
+    quantized.flip(ctx, node)
     return R.permute_dims(inputs[0], None if perm is None else list(perm))
 
 

@@ -136,9 +136,11 @@ class CPUMatmulNT(dl.ScheduleRule):
         """If the block is C[b.., m.., n] += A[b.., m.., k] * W[b.., n, k], the number of
         leading b dims W shares with A (0 for a weight matrix); else None."""
         block = sch.get(block_rv)
+        iter_vars = [iv.var for iv in block.iter_vars]
+        if len(block.reads) > 2:
+            return 0 if _dequantized_nt(block.reads, iter_vars) else None
         if len(block.reads) != 2:
             return None
-        iter_vars = [iv.var for iv in block.iter_vars]
         a_read, w_read = block.reads
         if any(not isinstance(r.extent, tirx.IntImm) or int(r.extent) != 1 for r in w_read.region):
             return None  # W must be read one element per iteration (no slices)
@@ -149,6 +151,27 @@ class CPUMatmulNT(dl.ScheduleRule):
         if not _same(a, iter_vars[:-2] + iter_vars[-1:]):
             return None
         return shared
+
+
+def _dequantized_nt(reads, iter_vars) -> bool:
+    """C[m.., n] += A[m.., k] * f(Q[n, g(k)], S[n, h(k)], ..): a weight-only quantized NT
+    matmul (``lower/quant_weights.py``). A is read at (m.., k); every other read is one
+    element of a weight-side buffer indexed by n, then by expressions of k alone."""
+    n, k = iter_vars[-2], iter_vars[-1]
+    is_a = [_same(_indices(r), iter_vars[:-2] + [k]) for r in reads]
+    if sum(is_a) != 1:
+        return False
+    for r, a in zip(reads, is_a):
+        if a:
+            continue
+        if any(not isinstance(e.extent, tirx.IntImm) or int(e.extent) != 1 for e in r.region):
+            return False
+        idx = [e.min for e in r.region]
+        if not idx or not idx[0].same_as(n):
+            return False
+        if not all(v.same_as(k) for e in idx[1:] for v in tirx.analysis.undefined_vars(e)):
+            return False
+    return True
 
 
 class CPUMatmulNN(dl.ScheduleRule):

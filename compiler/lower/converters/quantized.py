@@ -1,0 +1,80 @@
+"""Weight-only quantized weights: ``DequantizeLinear`` (and ``Cast`` from float16) of an
+initializer, and the MatMul / Gather that read them.
+
+The dequantizing node records the weight in ``ctx.quantized`` (by ONNX value name; a
+Transpose of it records the flipped orientation) and returns a materialized float copy
+for any other consumer. A MatMul or Gather whose input is a recorded weight instead emits
+one fused kernel that reads the int8 / int4 / fp16 storage directly
+(``lower/quant_weights.py``), so the copy is dead code and DeadCodeElimination drops it:
+no float weight is ever built, at load or at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tvm import relax
+
+from ..quant_weights import WeightStorage, dequant_te, matmul_nt_te, storage_of, take_rows_te
+from ..registry import converter
+
+
+OUT_EWISE_FUSABLE = 4  # tvm relax OpPatternKind::kOutEWiseFusable
+
+
+@dataclass(frozen=True)
+class QuantizedRef:
+    storage: WeightStorage
+    args: tuple[relax.Expr, ...]  # (data,) or (data, scale): params as the module stores them
+
+
+def record(ctx, node, inputs) -> relax.Expr | None:
+    """If ``node`` dequantizes a weight: record it and return its materialized float
+    value (dropped later if no consumer needs it); else None."""
+    storage = storage_of(node)
+    if storage is None:
+        return None
+    args = (inputs[0],) if storage.scale is None else (inputs[0], inputs[1])
+    ctx.quantized[node.outputs[0].name] = QuantizedRef(storage, args)
+    return ctx.bb.emit_te(dequant_te(storage), *args, primfunc_name_hint=f"dequantize_{storage.kind}")
+
+
+def flip(ctx, node) -> None:
+    """A 2-D Transpose of a recorded weight is the same storage, read the other way."""
+    ref = ctx.quantized.get(node.inputs[0].name)
+    perm = node.attributes.get("perm")
+    if ref is not None and (perm is None or list(perm.value) == [1, 0]):
+        storage = replace(ref.storage, transposed=not ref.storage.transposed)
+        ctx.quantized[node.outputs[0].name] = QuantizedRef(storage, ref.args)
+
+
+def fused_matmul(ctx, node, inputs) -> relax.Expr | None:
+    """MatMul(x [..., K], W.T) with W a recorded [N, K] weight -> one dequantizing kernel."""
+    ref = ctx.quantized.get(node.inputs[1].name)
+    if ref is None or not ref.storage.transposed:
+        return None
+    # Pattern "out-element-wise fusable", as TVM gives its own matmuls: element-wise
+    # consumers (bias, residual, SiLU * up) fuse after it, producers stay separate kernels,
+    # so the kernel keeps the one-activation-read shape the CPU NT schedule expects.
+    return ctx.bb.emit_te(matmul_nt_te(ref.storage), inputs[0], *ref.args,
+                          primfunc_name_hint=f"{ref.storage.kind}_matmul",
+                          primfunc_attrs={"op_pattern": OUT_EWISE_FUSABLE})
+
+
+def fused_take(ctx, node, inputs, axis: int) -> relax.Expr | None:
+    """Gather(W, ids, axis=0) with W a recorded row-form weight -> dequantized rows only."""
+    ref = ctx.quantized.get(node.inputs[0].name)
+    if ref is None or ref.storage.transposed or axis != 0:
+        return None
+    data, *scale = ref.args
+    return ctx.bb.emit_te(take_rows_te(ref.storage), data, inputs[1], *scale,
+                          primfunc_name_hint=f"{ref.storage.kind}_take")
+
+
+@converter("DequantizeLinear")
+def dequantize_linear(ctx, node, inputs):
+    out = record(ctx, node, inputs)
+    if out is None:
+        raise ValueError("only weight-only DequantizeLinear of a 2-D initializer (symmetric int8 per channel, "
+                         "int4 per block, float32 scales) is supported")
+    return out

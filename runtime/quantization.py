@@ -1,0 +1,90 @@
+"""Weight-only quantization schemes: the single list the CLI offers and the artifact
+manifest records.
+
+A scheme says how the 2-D projection / LM-head / embedding weights are stored; activations,
+norms, biases and the KV cache stay float32. The rewrite itself is
+``kiln.compiler.passes.quantize_weights`` (standard ONNX ``DequantizeLinear`` / ``Cast`` of the stored
+weight), so onnxruntime can still run the quantized graph as an oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("float", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One storage scheme for weights.
+
+    kind:  "float" (weights stay float32, no rewrite), "fp16" (float16 copy, Cast back to
+           float32), "int8" (symmetric per output channel: one float32 scale per row of W
+           [N, K]), "int4" (symmetric per block of ``group_size`` consecutive input features
+           of each output row; float16-exact scales stored as float32).
+    group_size: the int4 block length along the reduction axis; None for other kinds.
+    """
+
+    name: str
+    kind: str
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"QuantScheme {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "int4":
+            if not isinstance(self.group_size, int) or self.group_size <= 0:
+                raise ValueError(f"QuantScheme {self.name!r}: int4 needs a positive group_size")
+        elif self.group_size is not None:
+            raise ValueError(f"QuantScheme {self.name!r}: only int4 takes a group_size")
+
+
+# Order matters: it is the order of the CLI's choices (fp32 first: the default).
+SCHEMES: dict[str, QuantScheme] = {
+    s.name: s for s in (
+        QuantScheme("fp32", "float"),
+        QuantScheme("fp16", "fp16"),
+        QuantScheme("int8", "int8"),
+        QuantScheme("int4-g32", "int4", 32),
+        QuantScheme("int4-g64", "int4", 64),
+        QuantScheme("int4-g128", "int4", 128),
+    )
+}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What to quantize: every projection (q/k/v/o, gate/up/down) always; the token
+    embedding table and the LM head only when ``embedding`` / ``lm_head`` (they are the
+    largest matrices of small models and the most sensitive to error). For a tied
+    embedding/LM head the two flags still apply to each consumer separately."""
+
+    scheme: QuantScheme
+    embedding: bool = True
+    lm_head: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.scheme, QuantScheme):
+            raise TypeError(f"QuantConfig.scheme must be a QuantScheme, got {type(self.scheme).__name__}")
+        if SCHEMES.get(self.scheme.name) != self.scheme:
+            raise ValueError(f"QuantConfig: unknown scheme {self.scheme!r}; choose one of {list(SCHEMES)}")
+        for flag in ("embedding", "lm_head"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"QuantConfig.{flag} must be a bool")
+
+    @property
+    def is_float(self) -> bool:
+        return self.scheme.kind == "float"
+
+    def describe(self) -> dict:
+        """The manifest's record of the scheme (JSON-serializable)."""
+        return {"scheme": self.scheme.name, "kind": self.scheme.kind, "group_size": self.scheme.group_size,
+                "embedding": self.embedding, "lm_head": self.lm_head}
+
+
+def parse_quant(name: str, embedding: bool = True, lm_head: bool = True) -> QuantConfig:
+    """A CLI choice (``--quant int4-g32``) -> its QuantConfig."""
+    scheme = SCHEMES.get(name)
+    if scheme is None:
+        raise ValueError(f"unknown quantization {name!r}; choose one of: {', '.join(SCHEMES)}")
+    return QuantConfig(scheme, embedding=embedding, lm_head=lm_head)

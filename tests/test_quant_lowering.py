@@ -1,0 +1,174 @@
+"""Weight-only quantized weights in the compiled module: storage layouts (numpy), the fused
+dequantizing kernels (against numpy), and whole quantized artifacts (against onnxruntime
+running the same quantized ONNX graph, the oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from kiln.compiler.lower.quant_weights import (
+    WeightStorage,
+    matmul_nt_te,
+    pack_int4,
+    stored_arrays,
+    stored_specs,
+    take_rows_te,
+    unpack_int4,
+)
+from kiln.compiler.lower.pipeline import relax_pipeline
+from kiln.compiler.lower.schedules import CPUMatmulNT
+from kiln.compiler.targets import parse_target
+
+
+def _random_weight(rng, kind: str, rows: int, cols: int, group: int | None):
+    """(storage-ready ONNX arrays in the transposed form, float reference [rows, cols])."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if kind == "fp16":
+        ref = w.astype(np.float16)
+        return (ref.T, None), ref.astype(np.float32)
+    if kind == "int8":
+        q = rng.integers(-127, 128, (rows, cols)).astype(np.int8)
+        s = rng.uniform(0.001, 0.02, rows).astype(np.float32)
+        return (q.T, s), q * s[:, None]
+    blocks = -(-cols // group)
+    q = rng.integers(-8, 8, (rows, cols)).astype(np.int8)
+    s = rng.uniform(0.001, 0.02, (rows, blocks)).astype(np.float16).astype(np.float32)
+    return (q.T, s.T), q * np.repeat(s, group, axis=1)[:, :cols]
+
+
+@pytest.mark.parametrize("cols", [32, 64, 100, 576])
+def test_int4_nibble_layout_round_trips(cols):
+    rng = np.random.default_rng()
+    q = rng.integers(-8, 8, (5, cols)).astype(np.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == np.uint8 and packed.shape == (5, -(-cols // 32) * 16)
+    np.testing.assert_array_equal(unpack_int4(packed, cols), q)
+    # Column j + 16 of each 32-group sits in the high nibble of byte j.
+    byte = int(packed[0, 0])
+    assert (byte >> 4) - 8 == q[0, 16] and (byte & 15) - 8 == q[0, 0]
+
+
+def _run(func_te, inputs, params, target):
+    """Build a one-kernel Relax function through Kiln's pipeline and run it."""
+    bb = relax.BlockBuilder()
+    vars_ = [relax.Var(f"a{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, a in enumerate(inputs)]
+    pvars = [relax.Var(f"p{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, a in enumerate(params)]
+    with bb.function("main", vars_ + pvars):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(func_te, *vars_, *pvars))
+        bb.emit_func_output(out)
+    ex = tvm.compile(bb.get(), target=target, relax_pipeline=relax_pipeline(target))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in (*inputs, *params)]).numpy()
+
+
+KINDS = [("int8", None), ("int4", 32), ("int4", 128), ("fp16", None)]
+
+
+@pytest.mark.parametrize("kind,group", KINDS)
+def test_fused_dequantizing_matmul_matches_numpy(kind, group):
+    rng = np.random.default_rng()
+    rows, cols = 48, 160  # 160 = 5 int4 groups of 32; a partial 128-block
+    (data, scale), ref = _random_weight(rng, kind, rows, cols, group)
+    storage = WeightStorage(kind, rows, cols, "w", None if scale is None else "s", group, transposed=True)
+    arrays = stored_arrays(storage, data, scale)
+    specs = stored_specs(storage)
+    assert {k: (a.shape, str(a.dtype)) for k, a in arrays.items()} == specs
+    target = parse_target("llvm").tvm_target()
+    for m in (1, 3):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        out = _run(matmul_nt_te(storage), [x], [arrays[k] for k in specs], target)
+        np.testing.assert_allclose(out, x @ ref.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,group", [("int8", None), ("int4", 32)])
+def test_cpu_matmul_rule_schedules_the_dequantizing_kernel(kind, group):
+    """The NT schedule (vector accumulators along K, rows across cores) applies to the
+    dequantizing kernel, not only to float matmuls."""
+    from tvm import te
+
+    storage = WeightStorage(kind, 64, 128, "w", "s", group, transposed=True)
+    specs = stored_specs(storage)
+    x = te.placeholder((tvm.tirx.Var("m", "int64"), 128), "float32", "x")
+    params = [te.placeholder(shape, dtype, name) for name, (shape, dtype) in specs.items()]
+    func = te.create_prim_func([x, *params, matmul_nt_te(storage)(x, *params)])
+    assert CPUMatmulNT().apply(func, parse_target("llvm").tvm_target(), False) is not None
+
+
+@pytest.mark.parametrize("kind,group", KINDS)
+def test_fused_take_rows_matches_numpy(kind, group):
+    rng = np.random.default_rng()
+    rows, cols = 40, 64
+    (data, scale), ref = _random_weight(rng, kind, rows, cols, group)
+    storage = WeightStorage(kind, rows, cols, "w", None if scale is None else "s", group, transposed=False)
+    # Row form: the ONNX value is [rows, cols] already.
+    arrays = stored_arrays(storage, data.T, None if scale is None else (scale if scale.ndim == 1 else scale.T))
+    ids = rng.integers(0, rows, (2, 5)).astype(np.int64)
+    ordered = [arrays[k] for k in stored_specs(storage)]
+    out = _run(take_rows_te(storage), [], [ordered[0], ids, *ordered[1:]],
+               parse_target("llvm").tvm_target())
+    np.testing.assert_allclose(out, ref[ids], rtol=1e-6, atol=1e-6)
+
+
+def _quantized_onnx(checkpoint_dir, quant):
+    """The exported prefill graph after the quantize pass (what onnxruntime runs)."""
+    from kiln.compiler.export.onnx_export import export_graphs
+    from kiln.compiler.models.source import resolve_model
+    from kiln.compiler.passes.quantize_weights import quantize_weights
+
+    graphs = export_graphs(resolve_model(checkpoint_dir).build_module())
+    return quantize_weights(quant)(graphs.prefill)
+
+
+@pytest.mark.parametrize("variant,scheme", [("llama", "int8"), ("llama", "int4-g32"), ("qwen2", "int4-g128"),
+                                            ("qwen2", "fp16")])
+def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path, checkpoint, variant, scheme):
+    """The compiled int8 / int4 / fp16 artifact computes what onnxruntime computes on the
+    same quantized ONNX; its params keep their storage dtypes (never a float copy)."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from kiln.compiler.compile import CompileOptions, compile_model
+    from kiln.runtime.quantization import parse_quant
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.executor import CacheConfig, Chunk
+
+    quant = parse_quant(scheme)
+    folder = compile_model(checkpoint(variant), tmp_path / "artifact", CompileOptions(parse_target("llvm"), quant=quant))
+    engine = Engine.load(folder, background=False)
+    m = engine.manifest
+    assert m.quantization == scheme and m.extra["quantization"]["scheme"] == scheme
+    stored = {p.name: p for p in m.params}
+    kind = quant.scheme.kind
+    quantized = [p for p in m.params if p.name.endswith(".qweight" if kind != "fp16" else ".fp16")]
+    # Every projection (7 per layer), the embedding and (untied) the LM head.
+    assert len(quantized) >= 7 * m.model.num_layers + 1
+    for p in quantized:
+        assert p.dtype == {"int8": "int8", "int4": "uint8", "fp16": "float16"}[kind]
+    assert not any(n.endswith("_proj.weight") for n in stored), "a float copy of a quantized weight was stored"
+    # Loaded in place: the executor's params are the stored dtypes, not float copies.
+    loaded = {p.name: str(a.dtype) for p, a in zip(m.params, engine._executor._params)}
+    assert all(loaded[p.name] == p.dtype for p in quantized)
+
+    graph = _quantized_onnx(checkpoint(variant), quant)
+    path = tmp_path / "prefill.onnx"
+    ir.save(graph, path)
+    # Graph optimizations off: onnxruntime would otherwise rewrite DequantizeLinear ->
+    # MatMul into integer matmuls that also quantize the activations (a different model).
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    ids = rng.integers(0, m.model.vocab_size, (1, 11), dtype=np.int64)
+    pos = np.arange(11, dtype=np.int64)[None]
+    expected = sess.run(["logits"], {"input_ids": ids, "position_ids": pos})[0]
+
+    ex = engine._executor
+    cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=64, prefill_chunk_size=32,
+                                        page_size=ex.page_size))
+    cache.add(0)
+    got = ex.forward(cache, [Chunk(0, tuple(ids[0].tolist()), 0)])
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
