@@ -33,7 +33,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(ARTIFACT)/manifest.json
+	$(BIN)/python -m pip install -q -e '.[compiler,bench]'
 	$(BIN)/python bench/decode.py $(ARTIFACT)
+	$(BIN)/python bench/serving.py $(ARTIFACT) --out bench/out
 
 clean:
 	rm -rf artifacts/*/ build *.egg-info

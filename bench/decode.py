@@ -1,6 +1,10 @@
 """Prefill and batch-1 decode speed: the Kiln artifact vs torch eager vs onnxruntime, on
 the same model, the same inputs and this machine, in one run.
 
+onnxruntime runs the same ONNX graphs with the artifact's weight quantization (its
+``DequantizeLinear`` -> ``MatMul`` pairs, which ORT fuses into its own int8 / MatMulNBits
+kernels); torch eager always runs the float32 model (it has no such graph).
+
     python bench/decode.py ARTIFACT [--prompt-len 512] [--decode-steps 32] [--repeats 5]
 
 Prefill: tokens/s for one prompt of --prompt-len random tokens (batch 1).
@@ -93,9 +97,12 @@ class TorchSystem:
 class OrtSystem:
     name = "onnxruntime"
 
-    def __init__(self, graphs, workdir: Path):
+    def __init__(self, graphs, workdir: Path, name: str = "onnxruntime"):
         import onnx_ir as ir
         import onnxruntime as ort
+
+        self.name = name
+        workdir.mkdir(parents=True, exist_ok=True)
 
         self.sessions = {}
         for name, model in graphs.items():
@@ -121,6 +128,18 @@ class OrtSystem:
             past = self.sessions["decode"].run(None, feeds)[1:]
 
 
+def _quantized_graphs(module, quant) -> dict:
+    from kiln.compiler.export.onnx_export import export_graphs
+    from kiln.compiler.passes.quantize_weights import quantize_weights
+
+    rewrite = quantize_weights(quant)
+    return {name: rewrite(graph) for name, graph in export_graphs(module).items()}
+
+
+def _params_mb(artifact: Path) -> float:
+    return sum(p.stat().st_size for p in artifact.iterdir() if p.name.startswith("params")) / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact", type=Path)
@@ -134,9 +153,9 @@ def main() -> None:
     import kiln.compiler  # noqa: F401  (full TVM before the runtime loads)
     import torch
 
-    from kiln.compiler.export.onnx_export import export_graphs
     from kiln.compiler.models.source import resolve_model
     from kiln.runtime.artifact import load_manifest
+    from kiln.runtime.quantization import QuantConfig, quant_from_record
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -155,7 +174,15 @@ def main() -> None:
         if "torch" in wanted:
             systems.append(TorchSystem(module))
         if "onnxruntime" in wanted:
-            systems.append(OrtSystem(dict(export_graphs(module).items()), Path(tmp)))
+            quant = quant_from_record(manifest.extra.get("quantization"))
+            systems.append(OrtSystem(_quantized_graphs(module, quant), Path(tmp) / "same"))
+            if not quant.is_float and (quant.embedding or quant.lm_head):
+                # ORT has no fused kernel for Gather(DequantizeLinear(table)): it dequantizes
+                # the whole [V, H] table every step. Its best configuration of the same scheme
+                # keeps the embedding / LM head float: measure that too.
+                proj_only = QuantConfig(quant.scheme, embedding=False, lm_head=False)
+                systems.append(OrtSystem(_quantized_graphs(module, proj_only), Path(tmp) / "proj",
+                                         name="ort proj-only"))
         rows = []
         for system in systems:
             prefill_s = _median_time(lambda: system.prefill(ids), args.repeats)
@@ -167,11 +194,14 @@ def main() -> None:
     base = {name: (p, d) for name, p, d in rows}.get("onnxruntime")
     print(f"\nmodel {manifest.model.name} ({manifest.quantization}), target {manifest.target.key} "
           f"({manifest.target.mcpu}), {threads} threads, prompt {args.prompt_len}, "
-          f"{args.decode_steps} decode steps, median of {args.repeats}")
+          f"{args.decode_steps} decode steps, median of {args.repeats}; artifact params "
+          f"{_params_mb(args.artifact):.1f} MB")
     print(f"{'system':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill vs ort':>15} {'decode vs ort':>14}")
     for name, p, d in rows:
         ratio = (f"{p / base[0]:>14.2f}x {d / base[1]:>13.2f}x") if base else ""
         print(f"{name:<14} {p:>14.1f} {d:>13.1f} {ratio}")
+    if base:
+        print("(ratios against onnxruntime on the same quantized graph)")
 
 
 if __name__ == "__main__":

@@ -88,3 +88,11 @@ def parse_quant(name: str, embedding: bool = True, lm_head: bool = True) -> Quan
     if scheme is None:
         raise ValueError(f"unknown quantization {name!r}; choose one of: {', '.join(SCHEMES)}")
     return QuantConfig(scheme, embedding=embedding, lm_head=lm_head)
+
+
+def quant_from_record(record: dict | None) -> QuantConfig:
+    """The manifest's record (``QuantConfig.describe()``) -> its QuantConfig; fp32 when absent."""
+    if not record:
+        return parse_quant("fp32")
+    return parse_quant(record["scheme"], embedding=bool(record.get("embedding", True)),
+                       lm_head=bool(record.get("lm_head", True)))

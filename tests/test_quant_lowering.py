@@ -4,12 +4,15 @@ running the same quantized ONNX graph, the oracle)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 from kiln.compiler.lower.quant_weights import (
+    DEQUANTIZE_W,
     WeightStorage,
     matmul_nt_te,
     pack_int4,
@@ -78,9 +81,10 @@ def test_fused_dequantizing_matmul_matches_numpy(kind, group):
     specs = stored_specs(storage)
     assert {k: (a.shape, str(a.dtype)) for k, a in arrays.items()} == specs
     target = parse_target("llvm").tvm_target()
-    for m in (1, 3):
-        x = rng.standard_normal((m, cols)).astype(np.float32)
-        out = _run(matmul_nt_te(storage), [x], [arrays[k] for k in specs], target)
+    # [m, K]: the decode GEMV shape; [1, m, K]: a prefill GEMM (weight tiles staged).
+    for shape, staged in (((1, cols), False), ((3, cols), False), ((1, 5, cols), True), ((2, cols), True)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        out = _run(matmul_nt_te(storage, staged), [x], [arrays[k] for k in specs], target)
         np.testing.assert_allclose(out, x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
@@ -92,10 +96,27 @@ def test_cpu_matmul_rule_schedules_the_dequantizing_kernel(kind, group):
 
     storage = WeightStorage(kind, 64, 128, "w", "s", group, transposed=True)
     specs = stored_specs(storage)
-    x = te.placeholder((tvm.tirx.Var("m", "int64"), 128), "float32", "x")
-    params = [te.placeholder(shape, dtype, name) for name, (shape, dtype) in specs.items()]
-    func = te.create_prim_func([x, *params, matmul_nt_te(storage)(x, *params)])
-    assert CPUMatmulNT().apply(func, parse_target("llvm").tvm_target(), False) is not None
+    m = tvm.tirx.Var("m", "int64")
+    for shape, staged in (((m, 128), False), ((1, m, 128), True)):
+        x = te.placeholder(shape, "float32", "x")
+        params = [te.placeholder(shape, dtype, name) for name, (shape, dtype) in specs.items()]
+        func = te.create_prim_func([x, *params, matmul_nt_te(storage, staged)(x, *params)])
+        sch = CPUMatmulNT().apply(func, parse_target("llvm").tvm_target(), False)
+        assert sch is not None
+        # Decode: dequantized inside the K loop (no weight buffer at all). Prefill: one
+        # [nt, K] tile staged inside each parallel tile of rows, never the whole weight.
+        assert (DEQUANTIZE_W in sch.mod.script()) == staged
+        if staged:
+            loops = sch.get_loops(sch.get_sblock(DEQUANTIZE_W))
+            assert sch.get(loops[0]).kind == tvm.tirx.ForKind.PARALLEL
+            # After TVM's allocation planning the buffer lives inside the parallel loop (one
+            # per core) and holds one tile of rows.
+            passes = tvm.s_tir.transform
+            lowered = passes.CompactBufferAllocation()(passes.ConvertBlocksToOpaque()(
+                passes.PlanAndUpdateBufferAllocationLocation()(passes.LowerInitBlock()(sch.mod)))).script()
+            alloc = re.search(rf"{DEQUANTIZE_W} = T.sblock_alloc_buffer\(\((\d+), (\d+)\)", lowered)
+            assert alloc and int(alloc[1]) < storage.rows and int(alloc[2]) == storage.cols
+            assert lowered.index("T.parallel") < alloc.start()
 
 
 @pytest.mark.parametrize("kind,group", KINDS)

@@ -29,6 +29,9 @@ class ConvertContext:
     kv_cache: relax.Var | None = None
     # Weight-only quantized weights by ONNX value name (converters/quantized.py).
     quantized: dict = field(default_factory=dict)
+    # The function reads many tokens per sequence (prefill): each weight is reused by many
+    # activation rows, so quantized matmuls dequantize weight tiles once, not per row.
+    many_tokens: bool = False
 
     def dim(self, name: str) -> tirx.Var:
         if name not in self.dims:

@@ -105,8 +105,15 @@ def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None)
     return bb.get(), params
 
 
+def _many_tokens(graph: ir.Graph) -> bool:
+    """input_ids [batch, tokens]: a prefill takes a run of tokens per sequence, a decode
+    exactly one."""
+    ids = graph.inputs[0]
+    return ids.shape is None or ids.shape[-1] != 1
+
+
 def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable) -> None:
-    ctx = ConvertContext(bb=bb)
+    ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph))
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
               for v in graph.inputs]
     if any(n.domain == KV_CACHE_DOMAIN and n.op_type in KV_CACHE_OPS for n in graph):

@@ -15,6 +15,8 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
+from ..quant_weights import DEQUANTIZE_W
+
 
 def _indices(read) -> list:
     """A read's index expressions, without those of unit dims (indexed by 0)."""
@@ -42,17 +44,19 @@ def vector_lanes(target) -> int:
     return max(4, bits // 32)
 
 
-def _normalized(func, target):
-    """(schedule, block infos) of an LLVM-target PrimFunc with element-wise chains
-    inlined, or None when the function is not one these rules schedule."""
+def _normalized(func, target, keep: tuple[str, ...] = ()):
+    """(schedule, block infos, kept block rvs) of an LLVM-target PrimFunc with element-wise
+    chains inlined, except blocks named in ``keep`` (left to the rule, and not among the
+    infos), or None when the function is not one these rules schedule."""
     if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
         return None
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
     if infos is None:
         return None
-    infos = try_inline_contiguous_spatial(sch, infos)
-    return None if infos is None else (sch, infos)
+    kept = [b.block_rv for b in infos if sch.get(b.block_rv).name_hint in keep]
+    infos = try_inline_contiguous_spatial(sch, [b for b in infos if sch.get(b.block_rv).name_hint not in keep])
+    return None if infos is None else (sch, infos, kept)
 
 
 class CPUMatmulNT(dl.ScheduleRule):
@@ -63,10 +67,12 @@ class CPUMatmulNT(dl.ScheduleRule):
         self.gemm_nt, self.gemv_nt, self.vec = gemm_nt, gemv_nt, vec
 
     def apply(self, func, target, tunable):
-        found = _normalized(func, target)
+        found = _normalized(func, target, keep=(DEQUANTIZE_W,))
         if found is None:
             return None
-        sch, infos = found
+        sch, infos, dequantize = found
+        if len(dequantize) > 1:
+            return None
         reductions = [b for b in infos if b.is_reduction()]
         if len(reductions) != 1 or infos[0] is not reductions[0] or len(infos) > 2:
             return None
@@ -88,6 +94,8 @@ class CPUMatmulNT(dl.ScheduleRule):
         # M is one dynamic dim (a decode batch, usually 1): a GEMV. Anything else: a GEMM.
         m_doms = [i.dom for i in main.iters[shared:-2]]
         gemv = len(m_doms) == 1 and _static(m_doms[0]) is None
+        # A staged weight (the lowering's choice for prefill) marks a GEMM whatever the shapes say.
+        gemv = gemv and not dequantize
         nt = self.gemv_nt if gemv else self.gemm_nt
         if n_extent is not None:
             nt = max(d for d in (nt, 8, 4, 2, 1) if d <= nt and n_extent % d == 0)
@@ -129,6 +137,16 @@ class CPUMatmulNT(dl.ScheduleRule):
         sch.vectorize(r_ki)
         sch.unroll(r_ni)
         sch.decompose_reduction(rf, r_ko)  # zero the accumulators before the K loop
+        if dequantize:
+            # A GEMM reuses each weight for every row of A: dequantize this core's tile of
+            # nt weight rows ([nt, K] float32, a few tens of KB, cache-resident) once,
+            # before the M loop, instead of once per row inside the K loop.
+            sch.compute_at(dequantize[0], r_no, preserve_unit_loops=True)
+            *_, w_k = sch.get_loops(dequantize[0])
+            # One vector of lanes at a time: a K-wide vector (576-1536 lanes) would take
+            # LLVM minutes to legalize.
+            _, w_ki = sch.split(w_k, [None, vec])
+            sch.vectorize(w_ki)
         return sch
 
     @staticmethod
@@ -186,7 +204,7 @@ class CPUMatmulNN(dl.ScheduleRule):
         found = _normalized(func, target)
         if found is None:
             return None
-        sch, infos = found
+        sch, infos, _ = found
         if len(infos) != 1 or not infos[0].is_reduction():
             return None
         main = infos[0]
