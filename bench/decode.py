@@ -95,8 +95,6 @@ class TorchSystem:
 
 
 class OrtSystem:
-    name = "onnxruntime"
-
     def __init__(self, graphs, workdir: Path, name: str = "onnxruntime"):
         import onnx_ir as ir
         import onnxruntime as ort
@@ -105,12 +103,12 @@ class OrtSystem:
         workdir.mkdir(parents=True, exist_ok=True)
 
         self.sessions = {}
-        for name, model in graphs.items():
-            path = workdir / f"{name}.onnx"
-            ir.save(model, path, external_data=f"{name}.onnx.data")
+        for graph_name, model in graphs.items():
+            path = workdir / f"{graph_name}.onnx"
+            ir.save(model, path, external_data=f"{graph_name}.onnx.data")
             opts = ort.SessionOptions()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            self.sessions[name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            self.sessions[graph_name] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.past_names = [i.name for i in self.sessions["decode"].get_inputs()][2:]
 
     def prefill(self, ids):

@@ -9,7 +9,7 @@ import click
 from .main import cli, handle_errors
 
 # The scheme registry is plain Python (no torch): safe to import for the CLI's choices.
-from kiln.runtime.quantization import SCHEMES  # noqa: E402
+from kiln.runtime.quantization import SCHEMES, parse_quant  # noqa: E402
 
 TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm_89|sm_90"
 
@@ -33,7 +33,6 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
 def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head):
     """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
     from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
-    from kiln.runtime.quantization import parse_quant
     from kiln.compiler.targets import parse_target
 
     spec = parse_target(target)

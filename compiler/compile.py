@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-
 from kiln.runtime.artifact import LIBRARY_FILE, PARAMS_FILE, SCHEMA_VERSION, FunctionSpec, Manifest
+from kiln.runtime.quantization import SCHEMES, QuantConfig
 from kiln.runtime.version import __version__
 
 from .artifact_writer import write_artifact, write_params
@@ -20,7 +20,6 @@ from .lower.importer import param_arrays
 from .lower.kv_cache import CACHE_ARGS, FACTORY, PAGE_SIZE
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
-from kiln.runtime.quantization import SCHEMES, QuantConfig
 from .targets import TargetSpec
 
 

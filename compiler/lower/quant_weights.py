@@ -58,14 +58,24 @@ def storage_of(node: ir.Node) -> WeightStorage | None:
     if data is None or data.const_value is None or len(data.shape or ()) != 2:
         return None
     d0, d1 = (int(d) for d in data.shape)
+    found = _kind_of(node, data)
+    if found is None:
+        return None
+    kind, scale, group_size, transposed = found
+    rows, cols = (d1, d0) if transposed else (d0, d1)
+    return WeightStorage(kind, rows, cols, data.name, scale, group_size, transposed)
+
+
+def _kind_of(node: ir.Node, data: ir.Value) -> tuple[str, str | None, int | None, bool] | None:
+    """(kind, scale name, group size, transposed) of a weight-only dequantization, or None.
+    ``transposed``: the ONNX value is [cols, rows], the reduction axis first."""
     if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
         if data.dtype != ir.DataType.FLOAT16:
             return None
         # The pass writes a MatMul's B as W.T [K, N]; Gather / Transpose consumers read rows.
         transposed = all(c.op_type == "MatMul" and c.inputs[1] is node.outputs[0]
                          for c, _ in node.outputs[0].uses())
-        rows, cols = (d1, d0) if transposed else (d0, d1)
-        return WeightStorage("fp16", rows, cols, data.name, transposed=transposed)
+        return "fp16", None, None, transposed
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
         return None
     scale = node.inputs[1]
@@ -77,14 +87,10 @@ def storage_of(node: ir.Node) -> WeightStorage | None:
     block = int(block.value) if block is not None else 0
     if data.dtype == ir.DataType.INT8 and block == 0 and len(scale.shape) == 1:
         # Per-channel along ``axis``: the other axis is the reduction, stored contiguous.
-        transposed = axis == 1
-        rows, cols = (d1, d0) if transposed else (d0, d1)
-        return WeightStorage("int8", rows, cols, data.name, scale.name, transposed=transposed)
+        return "int8", scale.name, None, axis == 1
     if data.dtype == ir.DataType.INT4 and block > 0:
         # Blocks along ``axis``: that axis is the reduction, stored contiguous.
-        transposed = axis == 0
-        rows, cols = (d1, d0) if transposed else (d0, d1)
-        return WeightStorage("int4", rows, cols, data.name, scale.name, group_size=block, transposed=transposed)
+        return "int4", scale.name, block, axis == 0
     return None
 
 

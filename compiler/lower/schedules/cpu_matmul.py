@@ -25,6 +25,11 @@ def _indices(read) -> list:
             if not (isinstance(dim, tirx.IntImm) and int(dim) == 1 and isinstance(r.min, tirx.IntImm))]
 
 
+def _one_element(read) -> bool:
+    """The read touches one element per iteration (no slices)."""
+    return all(isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1 for r in read.region)
+
+
 def _same(exprs, variables) -> bool:
     return len(exprs) == len(variables) and all(e.same_as(v) for e, v in zip(exprs, variables))
 
@@ -54,9 +59,11 @@ def _normalized(func, target, keep: tuple[str, ...] = ()):
     infos = normalize_prim_func(sch)
     if infos is None:
         return None
-    kept = [b.block_rv for b in infos if sch.get(b.block_rv).name_hint in keep]
-    infos = try_inline_contiguous_spatial(sch, [b for b in infos if sch.get(b.block_rv).name_hint not in keep])
-    return None if infos is None else (sch, infos, kept)
+    kept, rest = [], []
+    for b in infos:
+        (kept if sch.get(b.block_rv).name_hint in keep else rest).append(b)
+    infos = try_inline_contiguous_spatial(sch, rest)
+    return None if infos is None else (sch, infos, [b.block_rv for b in kept])
 
 
 class CPUMatmulNT(dl.ScheduleRule):
@@ -160,7 +167,7 @@ class CPUMatmulNT(dl.ScheduleRule):
         if len(block.reads) != 2:
             return None
         a_read, w_read = block.reads
-        if any(not isinstance(r.extent, tirx.IntImm) or int(r.extent) != 1 for r in w_read.region):
+        if not _one_element(w_read):
             return None  # W must be read one element per iteration (no slices)
         w, a = _indices(w_read), _indices(a_read)
         shared = len(w) - 2
@@ -182,7 +189,7 @@ def _dequantized_nt(reads, iter_vars) -> bool:
     for r, a in zip(reads, is_a):
         if a:
             continue
-        if any(not isinstance(e.extent, tirx.IntImm) or int(e.extent) != 1 for e in r.region):
+        if not _one_element(r):
             return False
         idx = [e.min for e in r.region]
         if not idx or not idx[0].same_as(n):
