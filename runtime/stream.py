@@ -9,6 +9,7 @@ its KV pages at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from .errors import KilnError
 from .outputs import Choice, Completion, Delta
 
 _END = object()
+log = logging.getLogger("kiln.stream")
 
 
 class RequestCancelled(KilnError):
@@ -73,12 +75,13 @@ class RequestStream:
         self._emit(_END)
 
     def _emit(self, item) -> None:
+        # Under the lock: an async consumer attaching between the check and the put would
+        # drain ``_sync`` first and never see this item.
         with self._lock:
-            loop, aq = self._loop, self._async
-        if aq is not None:
-            loop.call_soon_threadsafe(aq.put_nowait, item)
-        else:
-            self._sync.put(item)
+            if self._async is not None:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+            else:
+                self._sync.put(item)
 
     # -- consumer side --------------------------------------------------------------------
     @property
@@ -87,6 +90,7 @@ class RequestStream:
 
     def cancel(self) -> None:
         if not self._done.is_set():
+            log.info("request %s cancelled by its consumer", self.request_id)
             self._cancel(self.request_id)
 
     def _delta(self, item) -> Delta | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -30,6 +31,7 @@ from .errors import APIError, error_body, install, to_api_error
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger("kiln.server")
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
@@ -143,6 +145,7 @@ def _usage(stream: RequestStream) -> dict:
 async def _watch(request: Request, stream: RequestStream) -> None:
     while not stream.done:
         if await request.is_disconnected():
+            log.info("client of request %s disconnected", stream.request_id)
             stream.cancel()
             return
         await asyncio.sleep(DISCONNECT_POLL_S)
