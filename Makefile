@@ -32,9 +32,16 @@ demo: $(ARTIFACT)/manifest.json
 test: $(STAMP)
 	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-bench: $(ARTIFACT)/manifest.json
+artifacts/smollm2-135m-instruct-%-llvm/manifest.json: $(STAMP)
+	$(BIN)/kiln compile default --target llvm --quant $* --out $(@D)
+
+# Quantization x batch size next to onnxruntime and torch (bench/out/bench.{json,png}),
+# then continuous vs static batching (bench/out/serving.{json,png}).
+bench: $(ARTIFACT)/manifest.json artifacts/smollm2-135m-instruct-int8-llvm/manifest.json \
+       artifacts/smollm2-135m-instruct-int4-g32-llvm/manifest.json
 	$(BIN)/python -m pip install -q -e '.[compiler,bench]'
-	$(BIN)/python bench/decode.py $(ARTIFACT)
+	$(BIN)/kiln bench $(ARTIFACT) artifacts/smollm2-135m-instruct-int8-llvm \
+	    artifacts/smollm2-135m-instruct-int4-g32-llvm --out bench/out
 	$(BIN)/python bench/serving.py $(ARTIFACT) --out bench/out
 
 clean:

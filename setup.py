@@ -1,12 +1,13 @@
 """Maps the source folders onto one import root: compiler/ -> kiln.compiler,
-runtime/ -> kiln.runtime, cli/ -> kiln.cli, so installing Kiln never drops bare
+runtime/ -> kiln.runtime, cli/ -> kiln.cli, bench/ -> kiln.bench, so installing Kiln never drops bare
 ``compiler`` / ``runtime`` packages into site-packages. Metadata lives in pyproject.toml."""
 
 from pathlib import Path
 
 from setuptools import setup
 
-ROOTS = {"kiln": "kiln", "compiler": "kiln.compiler", "runtime": "kiln.runtime", "cli": "kiln.cli"}
+ROOTS = {"kiln": "kiln", "compiler": "kiln.compiler", "runtime": "kiln.runtime", "cli": "kiln.cli",
+         "bench": "kiln.bench"}
 
 packages, package_dir = [], {}
 for folder, root in ROOTS.items():

@@ -35,7 +35,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    from . import compile_cmds, runtime_cmds  # noqa: F401  (register the commands)
+    from . import bench_cmds, compile_cmds, runtime_cmds  # noqa: F401  (register the commands)
 
     cli(prog_name="kiln")
 
