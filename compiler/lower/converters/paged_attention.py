@@ -9,11 +9,24 @@ is the cache's state for this step (set by the runtime's begin_forward).
 
 from __future__ import annotations
 
-from tvm import relax
+from tvm import relax, te, tirx
 from tvm.relax import op as R
 
 from ..context import attr, dtype, shape
 from ..registry import converter
+
+
+def _pack_qkv(q, k, v, *, hq, hkv, d):
+    """q [B, S, Hq*D], k / v [B, S, Hkv*D] -> qkv [B*S, Hq + 2*Hkv, D]."""
+    b, s, _ = q.shape
+
+    def compute(t, h, i):
+        bi, si = tirx.floordiv(t, s), tirx.floormod(t, s)
+        return tirx.if_then_else(
+            h < hq, q[bi, si, h * d + i],
+            tirx.if_then_else(h < hq + hkv, k[bi, si, (h - hq) * d + i], v[bi, si, (h - hq - hkv) * d + i]))
+
+    return te.compute((b * s, hq + 2 * hkv, d), compute, name="pack_qkv")
 
 
 @converter("PagedAttention", domain="kiln")
@@ -25,9 +38,9 @@ def paged_attention(ctx, node, inputs):
     b, s, q_hidden = shape(q)
     d = int(q_hidden) // hq
     tokens = b * s
-    qkv = ctx.emit(R.concat([
-        R.reshape(q, [tokens, hq, d]), R.reshape(k, [tokens, hkv, d]), R.reshape(v, [tokens, hkv, d]),
-    ], axis=1))
+    # One injective kernel rather than three reshapes and a concat: FuseOps folds the RoPE
+    # kernels producing q and k into it (one kernel, no intermediate tensors or views).
+    qkv = ctx.bb.emit_te(_pack_qkv, q, k, v, hq=hq, hkv=hkv, d=d, primfunc_name_hint="pack_qkv")
     out = ctx.emit(relax.call_dps_packed(
         "vm.builtin.attention_kv_cache_attention_with_fused_qkv",
         [ctx.kv_cache, relax.prim_value(attr(node, "layer_id")), relax.prim_value(float(attr(node, "scale"))), qkv],

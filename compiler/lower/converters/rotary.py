@@ -63,4 +63,8 @@ def rotary_embedding(ctx, node, inputs):
         _rotary_te, x, cos, sin, pos,
         head_dim=head_dim, rot_dim=rot_dim, interleaved=bool(attr(node, "interleaved", 0)),
         three_d=three_d, primfunc_name_hint="rotary_embedding",
+        # Element-wise apart from the position gather, which AnnotateTIROpPattern reads as
+        # opaque: injective lets FuseOps fold it into its consumer (the paged-attention
+        # q/k/v packing) instead of leaving a kernel and an intermediate tensor per call.
+        primfunc_attrs={"op_pattern": 2},  # kInjective
     )
