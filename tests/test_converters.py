@@ -137,3 +137,19 @@ def test_unknown_op_names_the_op():
 def test_registry_covers_the_exported_op_set():
     ops = {op for _, op in registered_ops()}
     assert {"Attention", "RotaryEmbedding", "RMSNormalization", "MatMul", "Gemm", "Gather", "Transpose"} <= ops
+
+
+def test_sigmoid_and_silu_are_accurate_over_the_float_range():
+    """Sigmoid runs a polynomial exp (no libm call per element). Reference: float64 numpy,
+    to 1e-6 relative over the whole range, tails included (there onnxruntime's own
+    approximation is the less accurate one: it is checked only where it is exact enough)."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((1, 37, 64)) * 12).astype(np.float32)
+    x[0, 0, :8] = [-100.0, -88.0, -20.0, -1e-6, 0.0, 1e-6, 20.0, 100.0]
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["silu"])]
+    model = _model(nodes, [_vi("x", F, [1, "n", 64])], [_vi("s", F, [1, "n", 64]), _vi("silu", F, [1, "n", 64])])
+    expected, got = _run_both(model, {"x": x})
+    sig = 1 / (1 + np.exp(-x.astype(np.float64)))
+    np.testing.assert_allclose(got[0], sig, rtol=1e-6, atol=1e-37)
+    np.testing.assert_allclose(got[1], x * sig, rtol=1e-6, atol=1e-37)
+    np.testing.assert_allclose(got[0], expected[0], atol=1e-6)

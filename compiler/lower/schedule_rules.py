@@ -38,6 +38,6 @@ def default_rules(kind: str) -> list[dl.ScheduleRule]:
             StaticInnerOutput(dl.gpu.GeneralReduction()),
             dl.gpu.Fallback(),
         ]
-    from .schedules import CPUMatmulNN, CPUMatmulNT
+    from .schedules import CPUElementwise, CPUMatmulNN, CPUMatmulNT
 
-    return [CPUMatmulNT(), CPUMatmulNN(), dl.cpu.GEMV(), dl.cpu.Reduction()]
+    return [CPUMatmulNT(), CPUMatmulNN(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise()]

@@ -23,6 +23,7 @@ import math
 from tvm.script import tirx as T
 
 LOG2E = math.log2(math.exp(1))
+LN2 = math.log(2)
 NEG = -5e4
 VEC = 16
 BLOCK = 16  # keys per block in the ragged kernel
@@ -30,8 +31,8 @@ BLOCK = 16  # keys per block in the ragged kernel
 
 def _core(d: int, dtype: str, block: int):
     """The online-softmax steps every kernel shares, as TVMScript macros. Per task:
-    acc [d] running output, lane [VEC] dot-product lanes, scores [block], state [3] =
-    (running max m, running sum, block max)."""
+    acc [d] running output, lane [VEC] dot-product lanes, scores and weights [block],
+    state [3] = (running max m, running sum, block max)."""
     lanes = VEC if d % VEC == 0 else 1
 
     @T.macro
@@ -42,7 +43,7 @@ def _core(d: int, dtype: str, block: int):
             acc[i] = T.float32(0)
 
     @T.macro
-    def attend(acc: T.Buffer, lane: T.Buffer, scores: T.Buffer, state: T.Buffer, q: T.Buffer,
+    def attend(acc: T.Buffer, lane: T.Buffer, scores: T.Buffer, weights: T.Buffer, state: T.Buffer, q: T.Buffer,
                row: T.int32, h: T.int32, keys: T.Buffer, values: T.Buffer, rows: T.int32, sm_scale: T.float32):
         # keys, values: [block, d] views; q[row, h, :] is the query.
         state[2] = T.float32(NEG)
@@ -53,10 +54,16 @@ def _core(d: int, dtype: str, block: int):
                 for l in T.vectorized(lanes):
                     lane[l] = lane[l] + T.Cast("float32", q[row, h, c * lanes + l]) * T.Cast(
                         "float32", keys[j, c * lanes + l])
-            scores[j] = T.float32(0)
-            for l in T.serial(lanes):
-                scores[j] = scores[j] + lane[l]
-            scores[j] = scores[j] * sm_scale * T.float32(LOG2E)
+            # Sum the lanes by halving vector adds (a serial scalar sum of 16 lanes cost
+            # more than the dot product itself). With lanes = 1 the loops are empty.
+            for l in T.vectorized(lanes // 2):
+                lane[l] = lane[l] + lane[l + lanes // 2]
+            for l in T.vectorized(lanes // 4):
+                lane[l] = lane[l] + lane[l + lanes // 4]
+            for l in T.vectorized(lanes // 8):
+                lane[l] = lane[l] + lane[l + lanes // 8]
+            scores[j] = (lane[0] + T.if_then_else(lanes > 1, lane[lanes // 16], T.float32(0))) * sm_scale * T.float32(
+                LOG2E)
             state[2] = T.max(state[2], scores[j])
         # One rescale of the running output per block.
         m_new: T.let[T.float32] = T.max(state[0], state[2])
@@ -65,11 +72,22 @@ def _core(d: int, dtype: str, block: int):
         state[1] = state[1] * alpha
         for i in T.vectorized(d):
             acc[i] = acc[i] * alpha
+        # The block's weights in one vector pass (rows past ``rows`` are computed from
+        # stale scores and never used).
+        for j in T.vectorized(block):
+            # 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2]: degree-6 Taylor series of
+            # e^(f ln 2) (relative error ~1e-7), 2^n built in the exponent bits. The exp2
+            # intrinsic would be one scalar libm call per key (no vector math library).
+            x: T.let[T.float32] = T.max(scores[j] - state[0], T.float32(-126))
+            n: T.let[T.float32] = T.floor(x + T.float32(0.5))
+            f: T.let[T.float32] = (x - n) * T.float32(LN2)
+            weights[j] = (T.float32(1) + f * (T.float32(1) + f * (T.float32(1 / 2) + f * (T.float32(1 / 6) + f * (
+                T.float32(1 / 24) + f * (T.float32(1 / 120) + f * T.float32(1 / 720))))))) * T.reinterpret(
+                "float32", T.shift_left(T.Cast("int32", n) + 127, 23))
         for j in T.serial(rows):
-            w: T.let[T.float32] = T.exp2(scores[j] - state[0])
-            state[1] = state[1] + w
+            state[1] = state[1] + weights[j]
             for i in T.vectorized(d):
-                acc[i] = acc[i] + w * T.Cast("float32", values[j, i])
+                acc[i] = acc[i] + weights[j] * T.Cast("float32", values[j, i])
 
     @T.macro
     def finish(acc: T.Buffer, state: T.Buffer, output: T.Buffer, lse: T.Buffer, row: T.int32, h: T.int32):
@@ -122,6 +140,7 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                 acc = T.sblock_alloc_buffer((d,), "float32")
                 lane = T.sblock_alloc_buffer((lanes,), "float32")
                 scores = T.sblock_alloc_buffer((page_size,), "float32")
+                weights = T.sblock_alloc_buffer((page_size,), "float32")
                 state = T.sblock_alloc_buffer((3,), "float32")
                 b: T.let[T.int32] = bh // h_q
                 h: T.let[T.int32] = bh % h_q
@@ -134,7 +153,7 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                                          elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
                     values = T.decl_buffer((page_size, d), dtype, data=pages.data,
                                            elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
-                    attend(acc, lane, scores, state, Q, b, h, keys, values,
+                    attend(acc, lane, scores, weights, state, Q, b, h, keys, values,
                            T.if_then_else(p == num_pages - 1, last_page_len[b], page_size), sm_scale)
                 finish(acc, state, output, lse, b, h)
 
@@ -184,6 +203,7 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                     acc = T.sblock_alloc_buffer((d,), "float32")
                     lane = T.sblock_alloc_buffer((lanes,), "float32")
                     scores = T.sblock_alloc_buffer((page_size,), "float32")
+                    weights = T.sblock_alloc_buffer((page_size,), "float32")
                     state = T.sblock_alloc_buffer((3,), "float32")
                     h: T.let[T.int32] = th % h_q
                     token: T.let[T.int32] = q_indptr[b] + th // h_q
@@ -201,7 +221,7 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                                              elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
                         values = T.decl_buffer((page_size, d), dtype, data=pages.data,
                                                elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
-                        attend(acc, lane, scores, state, q, token, h, keys, values,
+                        attend(acc, lane, scores, weights, state, q, token, h, keys, values,
                                T.min(visible - p * page_size, page_size), sm_scale)
                     finish(acc, state, output, lse, token, h)
 
@@ -249,6 +269,7 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                     acc = T.sblock_alloc_buffer((d,), "float32")
                     lane = T.sblock_alloc_buffer((lanes,), "float32")
                     scores = T.sblock_alloc_buffer((BLOCK,), "float32")
+                    weights = T.sblock_alloc_buffer((BLOCK,), "float32")
                     state = T.sblock_alloc_buffer((3,), "float32")
                     h: T.let[T.int32] = th % h_q
                     token: T.let[T.int32] = q_indptr[b] + th // h_q
@@ -263,7 +284,7 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                                              elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
                         values = T.decl_buffer((BLOCK, d), dtype, data=v.data, strides=(h_kv * d, 1),
                                                elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
-                        attend(acc, lane, scores, state, q, token, h, keys, values,
+                        attend(acc, lane, scores, weights, state, q, token, h, keys, values,
                                T.min(visible - blk * BLOCK, BLOCK), sm_scale)
                     finish(acc, state, output, lse, token, h)
 
