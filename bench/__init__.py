@@ -3,6 +3,6 @@
 ``kiln bench`` (sweep.py) measures every configuration in a fresh worker process
 (worker.py) so resident memory is each system's own; systems.py holds the three ways
 of running a model; roofline.py the batch-1 decode bound of this machine. The scripts
-``decode.py`` / ``serving.py`` / ``kernel_profile.py`` run as ``python bench/NAME.py``.
+``serving.py`` / ``kernel_profile.py`` run as ``python bench/NAME.py``.
 Nothing here is imported by ``kiln.runtime``.
 """
