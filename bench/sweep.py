@@ -99,12 +99,14 @@ def run_sweep(artifacts: list[Path], config: BenchConfig, progress=print) -> Rep
     progress("measuring memory bandwidth")
     bandwidth = read_bandwidth()
     context = config.prompt_len + config.steps // 2  # mean context of the decode steps
-    rooflines = tuple(Roofline(m.quantization, bytes_per_token(m, context), bandwidth / bytes_per_token(m, context))
-                      for m in manifests)
+    per_token = [bytes_per_token(m, context) for m in manifests]
+    rooflines = tuple(Roofline(m.quantization, n, bandwidth / n) for m, n in zip(manifests, per_token))
     rows: list[Row] = []
+    modules: dict = {}  # (source, context) -> the torch model, built once for every export
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         for path, m in zip(artifacts, manifests):
-            graphs = _ort_graphs(path, m, Path(tmp) / path.name, progress) if "onnxruntime" in config.systems else {}
+            graphs = (_ort_graphs(m, modules, Path(tmp) / path.name, progress)
+                      if "onnxruntime" in config.systems else {})
             for batch in config.batches:
                 if "kiln" in config.systems:
                     rows.append(_measure("kiln", m.quantization, path, None, batch, config, progress,
@@ -120,8 +122,13 @@ def run_sweep(artifacts: list[Path], config: BenchConfig, progress=print) -> Rep
     return Report(config, bandwidth / 1e9, tuple(rows), rooflines)
 
 
-def _ort_graphs(path: Path, manifest, folder: Path, progress) -> dict[str, Path]:
+def _ort_graphs(manifest, modules: dict, folder: Path, progress) -> dict[str, Path]:
     """Export the artifact's source model once per variant: {system name: folder}."""
+    from kiln.compiler.models.source import resolve_model
+
+    key = (manifest.source, manifest.model.context_length)
+    if key not in modules:
+        modules[key] = resolve_model(*key).build_module()
     quant = quant_from_record(manifest.extra.get("quantization"))
     variants = {"onnxruntime": quant}
     if not quant.is_float and (quant.embedding or quant.lm_head):
@@ -129,18 +136,17 @@ def _ort_graphs(path: Path, manifest, folder: Path, progress) -> dict[str, Path]
     out = {}
     for name, q in variants.items():
         progress(f"exporting ONNX for {name} ({manifest.quantization})")
-        out[name] = _export(manifest, q, folder / name.replace(" ", "-"))
+        out[name] = _export(modules[key], q, folder / name.replace(" ", "-"))
     return out
 
 
-def _export(manifest, quant: QuantConfig, folder: Path) -> Path:
+def _export(module, quant: QuantConfig, folder: Path) -> Path:
+    """Fresh graphs per variant: the quantization rewrite works in place."""
     import onnx_ir as ir
 
     from kiln.compiler.export.onnx_export import export_graphs
-    from kiln.compiler.models.source import resolve_model
     from kiln.compiler.passes.quantize_weights import quantize_weights
 
-    module = resolve_model(manifest.source, manifest.model.context_length).build_module()
     rewrite = quantize_weights(quant)
     folder.mkdir(parents=True, exist_ok=True)
     for name, graph in export_graphs(module).items():

@@ -29,7 +29,7 @@ class KilnSystem:
         self.cache = self.ex.create_cache(CacheConfig(
             max_batch_size=2 * batch, max_total_tokens=tokens, prefill_chunk_size=batch * prompt_len,
             page_size=self.ex.page_size))
-        self.batch, self.seqs = batch, []
+        self.seqs: list[int] = []
 
     def prefill(self, ids: np.ndarray):
         from kiln.runtime.executor import Chunk
