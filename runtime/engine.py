@@ -14,11 +14,13 @@ tokenizer's BOS rule) or a list of chat messages (rendered by the model's chat t
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -272,8 +274,16 @@ class Engine:
         if not self._background:
             return
         if self._thread is None or not self._thread.is_alive():
+            first = self._thread is None
             self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
             self._thread.start()
+            if first:
+                # The loop thread is a daemon (it must not keep a program alive), but one
+                # still inside the TVM runtime while the interpreter tears down aborts the
+                # process ("terminate called without an active exception"): a caller that
+                # got its last token returns while the loop still frees the sequence's
+                # pages. Join it at exit, before teardown.
+                atexit.register(_close_at_exit, weakref.ref(self))
 
     def _loop(self) -> None:
         while True:
@@ -380,6 +390,12 @@ class Engine:
         wrapped = err if isinstance(err, KilnError) else KilnError(f"generation failed: {err}")
         for req in failed:
             req.stream.fail(wrapped)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
 
 
 def _params(params: SamplingParams | None, overrides: dict) -> SamplingParams:
