@@ -37,6 +37,8 @@ def inspect_command(artifact, as_json):
         ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {m.activation_dtype}"),
         ("kv cache", ", ".join(f"{k} {v}" for k, v in m.kv_cache.items())),
         ("functions", ", ".join(m.functions)),
+        ("dispatch", "decode: every batch" if m.dispatch.decode_max_batch is None else
+                     f"decode up to {m.dispatch.decode_max_batch} sequences, prefill above"),
         ("files", ", ".join(f"{n} ({f.bytes / 2**20:.1f} MiB)" for n, f in m.files.items())),
         ("size", f"{size / 2**20:.1f} MiB"),
         ("built", f"kiln {m.kiln_version}, tvm {m.tvm_version}, {m.created}, schema {m.schema_version}"),

@@ -14,6 +14,7 @@ from kiln.runtime.quantization import SCHEMES, QuantConfig
 from kiln.runtime.version import __version__
 
 from .artifact_writer import write_artifact, write_params
+from .dispatch import choose_dispatch
 from .export.onnx_export import ExportedGraphs, export_graphs
 from .lower.build import build_module, export_library
 from .lower.importer import param_arrays
@@ -93,6 +94,7 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             },
             params=entries,
             files={},
+            dispatch=choose_dispatch(options.target, options.quant),
             extra={"quantization": options.quant.describe()},
         )
         return manifest, [LIBRARY_FILE, PARAMS_FILE, *tokenizer_files]

@@ -72,6 +72,28 @@ class FunctionSpec:
 
 
 @dataclass(frozen=True)
+class Dispatch:
+    """Which compiled function runs a step. A decode step of more than ``decode_max_batch``
+    sequences runs through ``prefill`` (one token per sequence, ragged): with quantized
+    weights its GEMMs dequantize each weight tile once for all rows, where ``decode``'s
+    GEMVs dequantize it again for every row. None: every decode step runs ``decode``."""
+
+    decode_max_batch: int | None = None
+
+    def __post_init__(self):
+        m = self.decode_max_batch
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"dispatch.decode_max_batch must be a positive integer or null, got {m!r}")
+
+    def to_dict(self) -> dict:
+        return {"decode_max_batch": self.decode_max_batch}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Dispatch":
+        return cls(decode_max_batch=data.get("decode_max_batch"))
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     kiln_version: str
@@ -86,6 +108,7 @@ class Manifest:
     files: dict[str, FileEntry]
     source: str = ""
     created: str = ""
+    dispatch: Dispatch = Dispatch()
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -106,6 +129,7 @@ class Manifest:
             "params": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset,
                         "nbytes": p.nbytes} for p in self.params],
             "files": {k: {"sha256": f.sha256, "bytes": f.bytes} for k, f in self.files.items()},
+            "dispatch": self.dispatch.to_dict(),
             "extra": self.extra,
         }
 
@@ -140,6 +164,7 @@ class Manifest:
                 params=tuple(TensorEntry(p["name"], p["dtype"], tuple(p["shape"]), int(p["offset"]),
                                          int(p["nbytes"])) for p in data["params"]),
                 files={k: FileEntry(f["sha256"], int(f["bytes"])) for k, f in data["files"].items()},
+                dispatch=Dispatch.from_dict(dict(data.get("dispatch", {}))),
                 extra=dict(data.get("extra", {})),
             )
         except KeyError as missing:

@@ -7,6 +7,8 @@ The artifact exposes, by name (checked against the manifest at load):
   prefill(input_ids [1, T], position_ids [1, T], logit_positions [N], kv, params)
       -> (logits [N, V],)   ragged: the new tokens of several sequences, concatenated
   decode(input_ids [B, 1], position_ids [B, 1], kv, params) -> (logits [B, V],)
+A decode step of more sequences than the manifest's ``dispatch.decode_max_batch`` runs
+through ``prefill`` instead (the same tokens as one ragged batch; see ``Dispatch``).
 Which sequence each token belongs to is the cache's state for the step
 (``kv_state_begin_forward``); the cache owns pages, copies and attention kernels.
 """
@@ -142,6 +144,7 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
+        self._decode_max_batch = manifest.dispatch.decode_max_batch
 
     def create_cache(self, config: CacheConfig) -> KVCache:
         if config.page_size != self.page_size:
@@ -153,9 +156,22 @@ class PagedExecutor:
     def _tensor(self, array: np.ndarray):
         return tvm.runtime.tensor(array, self.device)
 
-    def forward(self, cache: KVCache, chunks: Sequence[Chunk]) -> np.ndarray:
+    def route(self, chunks: Sequence[Chunk]) -> str:
+        """The function ``forward`` runs for these chunks: "decode" or "prefill"."""
+        if any(len(c.tokens) != 1 for c in chunks):
+            return "prefill"
+        limit = self._decode_max_batch
+        return "decode" if limit is None or len(chunks) <= limit else "prefill"
+
+    def forward(self, cache: KVCache, chunks: Sequence[Chunk], via: str | None = None) -> np.ndarray:
         """Append every chunk's tokens to its sequence and return the requested logits,
-        [sum of len(logit_offsets)] x vocab, in chunk order."""
+        [sum of len(logit_offsets)] x vocab, in chunk order. ``via`` forces the function
+        ("decode" needs one token per chunk; benchmarks and tests compare the two)."""
+        via = via or self.route(chunks)
+        if via not in ("decode", "prefill"):
+            raise ValueError(f"via must be 'decode' or 'prefill', got {via!r}")
+        if via == "decode" and any(len(c.tokens) != 1 for c in chunks):
+            raise ValueError("decode runs one token per sequence")
         if not chunks:
             return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
         seq_ids = tvm.runtime.ShapeTuple([c.seq_id for c in chunks])
@@ -163,7 +179,7 @@ class PagedExecutor:
         b = self._builtins
         b.begin(cache.handle, seq_ids, lengths)
         try:
-            if all(len(c.tokens) == 1 for c in chunks):
+            if via == "decode":
                 ids = np.asarray([[c.tokens[0]] for c in chunks], dtype=np.int64)
                 pos = np.asarray([[c.start] for c in chunks], dtype=np.int64)
                 logits = self._fns["decode"](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]

@@ -107,6 +107,7 @@ def test_manifest_describes_the_artifact(checkpoint, compiled):
     assert m.kv_cache["layout"] == "paged" and m.kv_cache["page_size"] == 16
     assert set(m.files) == {"model.so", "params.bin", "tokenizer.json", "tokenizer_config.json"}
     assert m.kv_cache["num_layers"] == m.model.num_layers and m.quantization == "fp32"
+    assert m.dispatch.decode_max_batch is None  # float32 weights: decode runs every batch
     # Every checkpoint weight is stored once, in float32, with its shape and name.
     module = resolve_model(checkpoint("qwen2")).build_module()
     state = {k: v for k, v in module.state_dict().items()}

@@ -74,6 +74,16 @@ def test_schema_too_new(artifact_copy):
     _assert_clean_failure(code, err, "schema version 99 is newer")
 
 
+@pytest.mark.parametrize("value", [0, -2, "4", 1.5, True])
+def test_invalid_dispatch(artifact_copy, value):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["dispatch"] = {"decode_max_batch": value}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="decode_max_batch must be a positive integer"):
+        Engine.load(artifact_copy)
+
+
 def test_cuda_artifact_without_gpu(compiled):
     if Path("/dev/nvidia0").exists():
         pytest.skip("this host has a GPU")

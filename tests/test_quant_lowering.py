@@ -192,4 +192,31 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
                                         page_size=ex.page_size))
     cache.add(0)
     got = ex.forward(cache, [Chunk(0, tuple(ids[0].tolist()), 0)])
+    np.testing.assert_allclose(got, expected.reshape(-1, m.model.vocab_size)[-1:], rtol=1e-3, atol=1e-3)
+
+    # Decode steps: a batch wider than the manifest's decode_max_batch runs through prefill
+    # (weight tiles dequantized once for all rows), a single sequence through decode; both
+    # must give onnxruntime's next-token logits.
+    limit = m.dispatch.decode_max_batch
+    assert limit == {"int8": 4, "int4": 1, "fp16": 8}[kind]
+    batch, length = limit + 1, 9
+    prompts = rng.integers(0, m.model.vocab_size, (batch, length + 2), dtype=np.int64)
+
+    def onnxruntime_last(tokens):
+        n = tokens.shape[-1]
+        out = sess.run(["logits"], {"input_ids": tokens[None], "position_ids": np.arange(n, dtype=np.int64)[None]})
+        return out[0].reshape(-1, m.model.vocab_size)[-1]
+
+    cache = ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=64 * batch, prefill_chunk_size=32,
+                                        page_size=ex.page_size))
+    for s in range(batch):
+        cache.add(s)
+        ex.forward(cache, [Chunk(s, tuple(prompts[s, :length].tolist()), 0)])
+    wide = [Chunk(s, (int(prompts[s, length]),), length) for s in range(batch)]
+    assert ex.route(wide) == "prefill"
+    got = ex.forward(cache, wide)
+    expected = np.stack([onnxruntime_last(prompts[s, :length + 1]) for s in range(batch)])
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
+    alone = [Chunk(0, (int(prompts[0, length + 1]),), length + 1)]
+    assert ex.route(alone) == "decode"
+    np.testing.assert_allclose(ex.forward(cache, alone)[0], onnxruntime_last(prompts[0]), rtol=1e-3, atol=1e-3)

@@ -1,0 +1,68 @@
+"""Decode step time through ``decode`` and through ``prefill``, per batch size: the
+measurement behind the compiler's ``dispatch.decode_max_batch`` (``compiler/dispatch.py``).
+
+    python -m kiln.bench.dispatch ARTIFACT [--batch 1,2,4,8,16] [--context 128] [--steps 12]
+
+Each batch size gets fresh sequences holding --context tokens; the two routes then take
+turns, one step each, so drifting machine load hits both alike. Prints median ms per step,
+tokens/s and which route the artifact's manifest picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+
+def measure(ex, batch: int, context: int, steps: int, rng) -> dict[str, float]:
+    """Median seconds per decode step of ``batch`` sequences, by route."""
+    import time
+
+    from kiln.runtime.executor import CacheConfig, Chunk
+
+    cache = ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=batch * (context + 2 * steps + 16),
+                                        prefill_chunk_size=context, page_size=ex.page_size))
+    vocab = ex.manifest.model.vocab_size
+    for s in range(batch):
+        cache.add(s)
+        ex.forward(cache, [Chunk(s, tuple(rng.integers(0, vocab, context).tolist()), 0)])
+    times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    position = context
+    for _ in range(steps + 1):  # the first step of each route warms up and is dropped
+        for via in times:
+            chunks = [Chunk(s, (int(rng.integers(0, vocab)),), position) for s in range(batch)]
+            start = time.perf_counter()
+            ex.forward(cache, chunks, via=via)
+            times[via].append(time.perf_counter() - start)
+            position += 1
+    return {via: float(np.median(t[1:])) for via, t in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact")
+    ap.add_argument("--batch", default="1,2,4,8,16", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=128, help="tokens each sequence holds")
+    ap.add_argument("--steps", type=int, default=12, help="measured steps per route")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.executor import Chunk
+
+    engine = Engine.load(args.artifact, background=False, verify_hashes=False)
+    ex = engine._executor
+    rng = np.random.default_rng(0)
+    print(f"{args.artifact}: quantization {ex.manifest.quantization}, "
+          f"decode_max_batch {ex.manifest.dispatch.decode_max_batch}")
+    print(f"{'batch':>5}  {'decode ms':>9}  {'tok/s':>6}  {'prefill ms':>10}  {'tok/s':>6}  manifest picks")
+    for batch in (int(b) for b in args.batch.split(",")):
+        t = measure(ex, batch, args.context, args.steps, rng)
+        picks = ex.route([Chunk(s, (0,), 0) for s in range(batch)])
+        print(f"{batch:>5}  {t['decode'] * 1e3:>9.1f}  {batch / t['decode']:>6.0f}  "
+              f"{t['prefill'] * 1e3:>10.1f}  {batch / t['prefill']:>6.0f}  {picks}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The manifest's ``Dispatch``: which compiled function the runtime runs for a step,
+chosen from how the kernels were built."""
+
+from __future__ import annotations
+
+from kiln.runtime.artifact import Dispatch
+from kiln.runtime.quantization import QuantConfig
+
+from .targets import TargetSpec
+
+# The largest decode batch ``decode`` still runs, by weight storage, on CPU. Its GEMVs
+# dequantize every weight again for each sequence; ``prefill``'s GEMMs dequantize one tile
+# of rows once for all of them. Measured with ``python -m kiln.bench.dispatch ARTIFACT``
+# (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s):
+#   int8  B=4 168 vs 155, B=6 164 vs 187, B=16 204 vs 282
+#   int4  B=1 70 vs 54,   B=2 84 vs 93,   B=8 94 vs 208
+#   fp16  B=8 168 vs 165, B=16 208 vs 221 (a float16 weight costs one conversion)
+# float32 weights have nothing to dequantize: the two routes are equal within noise up to
+# B=16, and ``decode`` keeps them all.
+_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 1}
+
+
+def choose_dispatch(target: TargetSpec, quant: QuantConfig) -> Dispatch:
+    if target.kind != "llvm":
+        # dlight's GPU GEMV rules schedule small batches themselves; not measured on a GPU.
+        return Dispatch()
+    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind])
