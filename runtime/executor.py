@@ -144,7 +144,6 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
-        self._decode_max_batch = manifest.dispatch.decode_max_batch
 
     def create_cache(self, config: CacheConfig) -> KVCache:
         if config.page_size != self.page_size:
@@ -160,7 +159,7 @@ class PagedExecutor:
         """The function ``forward`` runs for these chunks: "decode" or "prefill"."""
         if any(len(c.tokens) != 1 for c in chunks):
             return "prefill"
-        limit = self._decode_max_batch
+        limit = self.manifest.dispatch.decode_max_batch
         return "decode" if limit is None or len(chunks) <= limit else "prefill"
 
     def forward(self, cache: KVCache, chunks: Sequence[Chunk], via: str | None = None) -> np.ndarray:

@@ -3,8 +3,6 @@ rules: a kernel with a record gets that record's schedule, and computes the same
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import tvm
 from tvm import relax, te
@@ -60,14 +58,6 @@ def test_pipeline_applies_a_database_record():
 
 
 def relax_pipeline_kernels(mod, target, database) -> list[str]:
-    """The scripts of the kernels after the pipeline's scheduling passes."""
-    from tvm.relax import transform as T
-    from tvm.s_tir import dlight as dl
-
-    from kiln.compiler.lower.schedule_rules import default_rules
-
-    with target, (database if database is not None else contextlib.nullcontext()):
-        passes = fusion_passes() + ([T.MetaScheduleApplyDatabase()] if database is not None else [])
-        passes.append(dl.ApplyDefaultSchedule(*default_rules("llvm")))
-        out = tvm.transform.Sequential(passes)(mod)
+    """The scripts of the kernels as Kiln's pipeline leaves them (scheduled TIR)."""
+    out = relax_pipeline(target, database)(mod)
     return [f.script() for _, f in out.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
