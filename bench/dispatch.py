@@ -1,11 +1,12 @@
-"""Decode step time through ``decode`` and through ``prefill``, per batch size: the
-measurement behind the compiler's ``dispatch.decode_max_batch`` (``compiler/dispatch.py``).
+"""Decode step time through ``decode``, through ``prefill`` and through a static bucket
+``decode_b<N>`` where the artifact has one for the batch size: the measurement behind the
+compiler's ``dispatch`` (``compiler/dispatch.py``).
 
     python -m kiln.bench.dispatch ARTIFACT [--batch 1,2,4,8,16] [--context 128] [--steps 12]
 
-Each batch size gets fresh sequences holding --context tokens; the two routes then take
-turns, one step each, so drifting machine load hits both alike. Prints median ms per step,
-tokens/s and which route the artifact's manifest picks.
+Each batch size gets fresh sequences holding --context tokens; the routes then take turns,
+one step each, so drifting machine load hits all alike. Prints median ms per step, tokens/s
+and which route the artifact's manifest picks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def measure(ex, batch: int, context: int, steps: int, rng) -> dict[str, float]:
     for s in range(batch):
         cache.add(s)
         ex.forward(cache, [Chunk(s, tuple(rng.integers(0, vocab, context).tolist()), 0)])
-    times: dict[str, list[float]] = {"decode": [], "prefill": []}
+    routes = ["decode", *(f"decode_b{b}" for b in ex.manifest.dispatch.static_decode if b == batch), "prefill"]
+    times: dict[str, list[float]] = {route: [] for route in routes}
     position = context
     for _ in range(steps + 1):  # the first step of each route warms up and is dropped
         for via in times:
@@ -54,14 +56,12 @@ def main(argv=None):
     engine = Engine.load(args.artifact, background=False, verify_hashes=False)
     ex = engine._executor
     rng = np.random.default_rng(0)
-    print(f"{args.artifact}: quantization {ex.manifest.quantization}, "
-          f"decode_max_batch {ex.manifest.dispatch.decode_max_batch}")
-    print(f"{'batch':>5}  {'decode ms':>9}  {'tok/s':>6}  {'prefill ms':>10}  {'tok/s':>6}  manifest picks")
+    print(f"{args.artifact}: quantization {ex.manifest.quantization}, dispatch {ex.manifest.dispatch.to_dict()}")
     for batch in (int(b) for b in args.batch.split(",")):
         t = measure(ex, batch, args.context, args.steps, rng)
         picks = ex.route([Chunk(s, (0,), 0) for s in range(batch)])
-        print(f"{batch:>5}  {t['decode'] * 1e3:>9.1f}  {batch / t['decode']:>6.0f}  "
-              f"{t['prefill'] * 1e3:>10.1f}  {batch / t['prefill']:>6.0f}  {picks}", flush=True)
+        row = "  ".join(f"{route} {sec * 1e3:6.1f} ms {batch / sec:5.0f} tok/s" for route, sec in t.items())
+        print(f"B={batch:<3} {row}  | manifest picks {picks}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,43 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
               help="also quantize the token embedding table")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
               help="also quantize the LM head")
+@click.option("--tuned/--untuned", default=True, show_default=True,
+              help="apply the target's MetaSchedule database under schedules/ when there is one")
 @handle_errors
-def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head):
+def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head, tuned):
     """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
     from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
     from kiln.compiler.targets import parse_target
 
     spec = parse_target(target)
     options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir,
-                             quant=parse_quant(quant, quant_embedding, quant_lm_head))
+                             quant=parse_quant(quant, quant_embedding, quant_lm_head), tuned=tuned)
     out = out or default_out_dir(model, spec, options.quant)
     path = compile_model(model, out, options, log=lambda m: click.echo(m, err=True))
     click.echo(str(path))
+
+
+@cli.command("tune")
+@click.argument("model")
+@click.option("--target", "target", default="llvm", show_default=True, help=TARGET_HELP)
+@click.option("--trials", type=int, default=64, show_default=True, help="MetaSchedule candidates measured per kernel")
+@click.option("--quant", "quants", type=click.Choice(list(SCHEMES)), multiple=True,
+              help="tune the kernels of these weight schemes (repeatable) [default: fp32]")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="database folder [default: schedules/<target key>/]")
+@handle_errors
+def tune_command(model, target, trials, quants, out):
+    """Tune MODEL's static-shape kernels (the batch-1 decode bucket) with MetaSchedule into
+    the target's database, which kiln compile then applies."""
+    from kiln.compiler.targets import parse_target
+    from kiln.compiler.tune.tuner import TuneOptions, tune_model
+
+    options = TuneOptions(parse_target(target), trials=trials, out_dir=out)
+    results = tune_model(model, [parse_quant(q) for q in (quants or ("fp32",))], options,
+                         log=lambda m: click.echo(m, err=True))
+    tuned = [r for r in results if r.tuned]
+    click.echo(f"{len(results)} kernels; MetaSchedule beat the default schedule on {len(tuned)}"
+               + (f": {', '.join(r.name for r in tuned)}" if tuned else ""))
 
 
 @cli.command("verify")

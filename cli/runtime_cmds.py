@@ -37,8 +37,8 @@ def inspect_command(artifact, as_json):
         ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {m.activation_dtype}"),
         ("kv cache", ", ".join(f"{k} {v}" for k, v in m.kv_cache.items())),
         ("functions", ", ".join(m.functions)),
-        ("dispatch", "decode: every batch" if m.dispatch.decode_max_batch is None else
-                     f"decode up to {m.dispatch.decode_max_batch} sequences, prefill above"),
+        ("dispatch", _dispatch_row(m.dispatch)),
+        ("schedules", m.extra.get("schedules", "not recorded")),
         ("files", ", ".join(f"{n} ({f.bytes / 2**20:.1f} MiB)" for n, f in m.files.items())),
         ("size", f"{size / 2**20:.1f} MiB"),
         ("built", f"kiln {m.kiln_version}, tvm {m.tvm_version}, {m.created}, schema {m.schema_version}"),
@@ -120,3 +120,11 @@ def serve_command(artifact, host, port, served_model_name, max_num_seqs, max_bat
         uvicorn.run(create_app(engine, name), host=host, port=port, log_level=log_level)
     finally:
         engine.close()
+
+
+def _dispatch_row(dispatch) -> str:
+    row = ("decode: every batch" if dispatch.decode_max_batch is None else
+           f"decode up to {dispatch.decode_max_batch} sequences, prefill above")
+    for batch, name in zip(dispatch.static_decode, dispatch.function_names()):
+        row += f"; {name} (static shapes) for {batch}"
+    return row

@@ -16,12 +16,14 @@ from kiln.runtime.version import __version__
 from .artifact_writer import write_artifact, write_params
 from .dispatch import choose_dispatch
 from .export.onnx_export import ExportedGraphs, export_graphs
+from .lower.buckets import with_buckets
 from .lower.build import build_module, export_library
 from .lower.importer import param_arrays
 from .lower.kv_cache import CACHE_ARGS, FACTORY, PAGE_SIZE
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
 from .targets import TargetSpec
+from .tune.database import database_dir, load_database
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class CompileOptions:
     context_length: int | None = None
     dump_dir: Path | None = None
     quant: QuantConfig = QuantConfig(SCHEMES["fp32"])
+    tuned: bool = True  # apply the target's committed MetaSchedule database when there is one
 
     def __post_init__(self):
         if self.context_length is not None and self.context_length < 2:
@@ -47,14 +50,20 @@ def _step(log: Log, what: str):
     log(f"{what}: {time.perf_counter() - start:.1f}s")
 
 
-def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions, log: Log = lambda _: None) -> Path:
+def prepare_graphs(model: str | Path, options: CompileOptions,
+                   log: Log = lambda _: None) -> tuple[ModelSource, ExportedGraphs]:
+    """The model's ONNX graphs after Kiln's passes: what gets lowered (and tuned)."""
     source = resolve_model(model, options.context_length)
     with _step(log, "load weights"):
         module = source.build_module()
     with _step(log, "export ONNX"):
         graphs = export_graphs(module)
     del module
-    graphs = run_passes(graphs, options.dump_dir, log, options.quant)
+    return source, run_passes(graphs, options.dump_dir, log, options.quant)
+
+
+def compile_model(model: str | Path, out_dir: str | Path, options: CompileOptions, log: Log = lambda _: None) -> Path:
+    source, graphs = prepare_graphs(model, options, log)
     return compile_graphs(source, graphs, out_dir, options, log)
 
 
@@ -64,8 +73,14 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
 
     config = source.config
     target_info = options.target.info()
+    functions, static_dims = with_buckets(dict(graphs.items()), options.target)
+    database = load_database(options.target) if options.tuned else None
+    # Kernels with a record in the database get its schedule, the rest dlight's rules.
+    schedules = (f"MetaSchedule records from {database_dir(options.target)} ({len(database)} records), "
+                 "default rules elsewhere" if database is not None else "default rules")
+    log(f"schedules: {schedules}")
     with _step(log, f"build for {options.target.key}"):
-        executable, params = build_module(dict(graphs.items()), options.target, config)
+        executable, params = build_module(functions, options.target, config, static_dims, database)
 
     def build(tmp: Path):
         with _step(log, "write artifact"):
@@ -90,12 +105,12 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
                 FACTORY: FunctionSpec(CACHE_ARGS, ("kv_cache",)),
                 **{name: FunctionSpec((*(v.name for v in g.graph.inputs), "kv_cache"),
                                       tuple(v.name for v in g.graph.outputs))
-                   for name, g in graphs.items()},
+                   for name, g in functions.items()},
             },
             params=entries,
             files={},
             dispatch=choose_dispatch(options.target, options.quant),
-            extra={"quantization": options.quant.describe()},
+            extra={"quantization": options.quant.describe(), "schedules": schedules},
         )
         return manifest, [LIBRARY_FILE, PARAMS_FILE, *tokenizer_files]
 

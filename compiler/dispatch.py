@@ -6,6 +6,7 @@ from __future__ import annotations
 from kiln.runtime.artifact import Dispatch
 from kiln.runtime.quantization import QuantConfig
 
+from .lower.buckets import static_decode_batches
 from .targets import TargetSpec
 
 # The largest decode batch ``decode`` still runs, by weight storage, on CPU. Its GEMVs
@@ -21,7 +22,8 @@ _CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 1}
 
 
 def choose_dispatch(target: TargetSpec, quant: QuantConfig) -> Dispatch:
+    static = static_decode_batches(target)
     if target.kind != "llvm":
         # dlight's GPU GEMV rules schedule small batches themselves; not measured on a GPU.
-        return Dispatch()
-    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind])
+        return Dispatch(static_decode=static)
+    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind], static_decode=static)

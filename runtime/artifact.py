@@ -76,21 +76,35 @@ class Dispatch:
     """Which compiled function runs a step. A decode step of more than ``decode_max_batch``
     sequences runs through ``prefill`` (one token per sequence, ragged): with quantized
     weights its GEMMs dequantize each weight tile once for all rows, where ``decode``'s
-    GEMVs dequantize it again for every row. None: every decode step runs ``decode``."""
+    GEMVs dequantize it again for every row. None: every decode step runs ``decode``.
+    ``static_decode``: batch sizes with a static-shape copy of ``decode`` named
+    ``decode_b<N>`` (kernels tuned for exactly that batch), run for decode steps of N."""
 
     decode_max_batch: int | None = None
+    static_decode: tuple[int, ...] = ()
 
     def __post_init__(self):
         m = self.decode_max_batch
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+        if m is not None and not _positive_int(m):
             raise ValueError(f"dispatch.decode_max_batch must be a positive integer or null, got {m!r}")
+        if not isinstance(self.static_decode, tuple) or not all(_positive_int(b) for b in self.static_decode):
+            raise ValueError(f"dispatch.static_decode must be a list of positive integers, got {self.static_decode!r}")
+
+    def function_names(self) -> tuple[str, ...]:
+        return tuple(f"decode_b{b}" for b in self.static_decode)
 
     def to_dict(self) -> dict:
-        return {"decode_max_batch": self.decode_max_batch}
+        return {"decode_max_batch": self.decode_max_batch, "static_decode": list(self.static_decode)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Dispatch":
-        return cls(decode_max_batch=data.get("decode_max_batch"))
+        static = data.get("static_decode", [])
+        return cls(decode_max_batch=data.get("decode_max_batch"),
+                   static_decode=tuple(static) if isinstance(static, list) else static)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ The artifact exposes, by name (checked against the manifest at load):
       -> (logits [N, V],)   ragged: the new tokens of several sequences, concatenated
   decode(input_ids [B, 1], position_ids [B, 1], kv, params) -> (logits [B, V],)
 A decode step of more sequences than the manifest's ``dispatch.decode_max_batch`` runs
-through ``prefill`` instead (the same tokens as one ragged batch; see ``Dispatch``).
+through ``prefill`` instead (the same tokens as one ragged batch), and one of exactly N
+sequences through ``decode_b<N>`` when the artifact has that static bucket (see ``Dispatch``).
 Which sequence each token belongs to is the cache's state for the step
 (``kv_state_begin_forward``); the cache owns pages, copies and attention kernels.
 """
@@ -119,11 +120,12 @@ class PagedExecutor:
     def __init__(self, folder: Path, manifest: Manifest, device):
         self.manifest = manifest
         self.device = device
-        missing = [f for f in REQUIRED_FUNCTIONS if f not in manifest.functions]
+        missing = [f for f in (*REQUIRED_FUNCTIONS, *manifest.dispatch.function_names())
+                   if f not in manifest.functions]
         if missing:
             raise ArtifactError(
-                f"{folder}: artifact lacks {', '.join(missing)} (built by an older Kiln without a paged "
-                "KV cache?); recompile it")
+                f"{folder}: artifact lacks the function(s) {', '.join(missing)} that its manifest "
+                "needs (built by an older Kiln, or a manifest edited by hand?); recompile it")
         try:
             lib = tvm.runtime.load_module(str(Path(folder) / LIBRARY_FILE))
         except Exception as err:  # TVM raises its own error types for unloadable libraries
@@ -144,6 +146,7 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
+        self._static_decode = {b: f"decode_b{b}" for b in manifest.dispatch.static_decode}
 
     def create_cache(self, config: CacheConfig) -> KVCache:
         if config.page_size != self.page_size:
@@ -156,21 +159,29 @@ class PagedExecutor:
         return tvm.runtime.tensor(array, self.device)
 
     def route(self, chunks: Sequence[Chunk]) -> str:
-        """The function ``forward`` runs for these chunks: "decode" or "prefill"."""
+        """The function ``forward`` runs for these chunks: "prefill", "decode" or a static
+        bucket "decode_b<N>"."""
         if any(len(c.tokens) != 1 for c in chunks):
             return "prefill"
         limit = self.manifest.dispatch.decode_max_batch
-        return "decode" if limit is None or len(chunks) <= limit else "prefill"
+        if limit is not None and len(chunks) > limit:
+            return "prefill"
+        return self._static_decode.get(len(chunks), "decode")
 
     def forward(self, cache: KVCache, chunks: Sequence[Chunk], via: str | None = None) -> np.ndarray:
         """Append every chunk's tokens to its sequence and return the requested logits,
         [sum of len(logit_offsets)] x vocab, in chunk order. ``via`` forces the function
-        ("decode" needs one token per chunk; benchmarks and tests compare the two)."""
+        ("decode" and its buckets need one token per chunk; benchmarks and tests compare
+        the routes)."""
         via = via or self.route(chunks)
-        if via not in ("decode", "prefill"):
-            raise ValueError(f"via must be 'decode' or 'prefill', got {via!r}")
-        if via == "decode" and any(len(c.tokens) != 1 for c in chunks):
-            raise ValueError("decode runs one token per sequence")
+        if via != "prefill":
+            if via != "decode" and via not in self._static_decode.values():
+                raise ValueError(f"via must be 'prefill', 'decode' or one of this artifact's buckets "
+                                 f"{sorted(self._static_decode.values())}, got {via!r}")
+            if any(len(c.tokens) != 1 for c in chunks):
+                raise ValueError(f"{via} runs one token per sequence")
+            if via != "decode" and via != self._static_decode.get(len(chunks)):
+                raise ValueError(f"{via} runs a batch of exactly its size, got {len(chunks)} sequences")
         if not chunks:
             return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
         seq_ids = tvm.runtime.ShapeTuple([c.seq_id for c in chunks])
@@ -178,10 +189,10 @@ class PagedExecutor:
         b = self._builtins
         b.begin(cache.handle, seq_ids, lengths)
         try:
-            if via == "decode":
+            if via != "prefill":
                 ids = np.asarray([[c.tokens[0]] for c in chunks], dtype=np.int64)
                 pos = np.asarray([[c.start] for c in chunks], dtype=np.int64)
-                logits = self._fns["decode"](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]
+                logits = self._fns[via](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]
                 rows = [i for i, c in enumerate(chunks) if c.logit_offsets()]
                 out = logits.numpy()
                 return out if len(rows) == len(chunks) else out[rows]

@@ -107,3 +107,17 @@ def torch_greedy(module, prompt_ids: list[int], steps: int) -> list[int]:
             out.append(int(logits[0].argmax()))
             logits, past = module(torch.tensor([[out[-1]]]), torch.tensor([[len(prompt_ids) + i]]), past)
     return out
+
+
+def matmul_module(m: int, k: int, n: int):
+    """A Relax module computing main(x [m, k], w [n, k]) = x @ w.T: one kernel to schedule."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([m, k], "float32"))
+    w = relax.Var("w", relax.TensorType([n, k], "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
+        bb.emit_func_output(out)
+    return bb.get()

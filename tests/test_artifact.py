@@ -101,7 +101,9 @@ def test_manifest_describes_the_artifact(checkpoint, compiled):
     assert raw["schema_version"] == 1 and raw["kiln_version"] and raw["tvm_version"].startswith("0.27")
     assert m.model.architecture == "qwen2" and m.model.qkv_bias
     assert m.target.kind == "llvm" and m.target.device == "cpu" and m.target.mcpu
-    assert set(m.functions) == {"create_kv_cache", "prefill", "decode"}
+    # decode_b1: decode at a static batch of 1 (the tuned bucket), called for one sequence.
+    assert set(m.functions) == {"create_kv_cache", "prefill", "decode", "decode_b1"}
+    assert m.functions["decode_b1"] == m.functions["decode"] and m.dispatch.static_decode == (1,)
     assert m.functions["prefill"].inputs == ("input_ids", "position_ids", "logit_positions", "kv_cache")
     assert m.functions["decode"].inputs == ("input_ids", "position_ids", "kv_cache")
     assert m.kv_cache["layout"] == "paged" and m.kv_cache["page_size"] == 16

@@ -84,6 +84,25 @@ def test_invalid_dispatch(artifact_copy, value):
         Engine.load(artifact_copy)
 
 
+@pytest.mark.parametrize("value", [[0], "1", [1.5], [True]])
+def test_invalid_static_decode(artifact_copy, value):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["dispatch"]["static_decode"] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="static_decode must be a list of positive integers"):
+        Engine.load(artifact_copy)
+
+
+def test_static_decode_bucket_missing(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["dispatch"]["static_decode"] = [1, 3]  # the library has decode_b1 only
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="lacks the function.s. decode_b3"):
+        Engine.load(artifact_copy)
+
+
 def test_cuda_artifact_without_gpu(compiled):
     if Path("/dev/nvidia0").exists():
         pytest.skip("this host has a GPU")

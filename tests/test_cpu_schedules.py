@@ -46,3 +46,44 @@ def test_reductions_are_left_to_other_rules():
     y = te.compute((4,), lambda i: te.sum(x[i, k], axis=k), name="y")
     func = te.create_prim_func([x, y]).with_attr("global_symbol", "main")
     assert CPUElementwise().apply(func, parse_target("llvm").tvm_target(), False) is None
+
+
+def _rms_norm_module(rows):
+    """relax rms_norm of x [rows, 1, 96] (rows: an int, or a symbolic name) by a weight."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([rows, 1, 96], "float32"))
+    w = relax.Var("w", relax.TensorType([96], "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.rms_norm(x, w, axes=[-1], epsilon=1e-5)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("rows", [1, "batch"])
+def test_one_row_reduction_runs_serial_and_correct(rows):
+    """A static one-row RMSNorm is one serial row (dlight's Reduction rule parallelized its
+    weight cast and recomputed the row per element); a dynamic batch keeps that rule."""
+    from tvm import relax
+
+    from kiln.compiler.lower.pipeline import relax_pipeline
+
+    target = parse_target("llvm").tvm_target()
+    if rows == "batch":
+        rows = tirx.Var("batch", "int64")
+    mod = _rms_norm_module(rows)
+    scheduled = relax_pipeline(target)(mod)
+    (kernel,) = [f.script() for gv, f in scheduled.functions_items()
+                 if isinstance(f, tirx.PrimFunc) and "rms_norm" in gv.name_hint]
+    assert ("T.parallel" in kernel) == isinstance(rows, tirx.Var)
+    ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+    rng = np.random.default_rng()
+    n = 1 if isinstance(rows, int) else 5
+    x = rng.standard_normal((n, 1, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

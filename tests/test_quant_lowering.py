@@ -195,12 +195,13 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     np.testing.assert_allclose(got, expected.reshape(-1, m.model.vocab_size)[-1:], rtol=1e-3, atol=1e-3)
 
     # Decode steps: a batch wider than the manifest's decode_max_batch runs through prefill
-    # (weight tiles dequantized once for all rows), a single sequence through decode; both
-    # must give onnxruntime's next-token logits.
+    # (weight tiles dequantized once for all rows), a single sequence through the static
+    # decode_b1 (and, forced, through the dynamic decode); all must give onnxruntime's
+    # next-token logits.
     limit = m.dispatch.decode_max_batch
     assert limit == {"int8": 4, "int4": 1, "fp16": 8}[kind]
     batch, length = limit + 1, 9
-    prompts = rng.integers(0, m.model.vocab_size, (batch, length + 2), dtype=np.int64)
+    prompts = rng.integers(0, m.model.vocab_size, (batch, length + 3), dtype=np.int64)
 
     def onnxruntime_last(tokens):
         n = tokens.shape[-1]
@@ -218,5 +219,9 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     expected = np.stack([onnxruntime_last(prompts[s, :length + 1]) for s in range(batch)])
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
     alone = [Chunk(0, (int(prompts[0, length + 1]),), length + 1)]
-    assert ex.route(alone) == "decode"
-    np.testing.assert_allclose(ex.forward(cache, alone)[0], onnxruntime_last(prompts[0]), rtol=1e-3, atol=1e-3)
+    assert ex.route(alone) == "decode_b1"
+    np.testing.assert_allclose(ex.forward(cache, alone)[0], onnxruntime_last(prompts[0, :length + 2]),
+                               rtol=1e-3, atol=1e-3)
+    alone = [Chunk(0, (int(prompts[0, length + 2]),), length + 2)]
+    np.testing.assert_allclose(ex.forward(cache, alone, via="decode")[0], onnxruntime_last(prompts[0]),
+                               rtol=1e-3, atol=1e-3)

@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax, te
+from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
 from kiln.compiler.lower.pipeline import fusion_passes, relax_pipeline
 from kiln.compiler.targets import parse_target
 
-
-def _module(m: int, k: int, n: int) -> tvm.IRModule:
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([m, k], "float32"))
-    w = relax.Var("w", relax.TensorType([n, k], "float32"))
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
-        bb.emit_func_output(out)
-    return bb.get()
+from helpers import matmul_module
 
 
 def test_pipeline_applies_a_database_record():
     target = parse_target("llvm").tvm_target()
     m, k, n = 2, 64, 51
-    mod = _module(m, k, n)
+    mod = matmul_module(m, k, n)
     with target:
         fused = tvm.transform.Sequential(fusion_passes())(mod)
     (task,) = ms.relax_integration.extract_tasks(fused, target)

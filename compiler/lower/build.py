@@ -33,13 +33,15 @@ def cuda_compile_mode(target: TargetSpec):
             os.environ["TVM_CUDA_COMPILE_MODE"] = previous
 
 
-def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig):
+def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
+                 static_dims: dict[str, dict[str, int]] | None = None, database=None):
     """Import the graphs into one module, add the KV-cache factory, compile. Returns
-    (executable, params)."""
+    (executable, params). ``static_dims``: the static buckets (``buckets.py``);
+    ``database``: MetaSchedule records to apply before the default rules (``tune/``)."""
     import tvm
     from tvm import relax
 
-    mod, params = import_graphs(graphs)
+    mod, params = import_graphs(graphs, static_dims=static_dims)
     tvm_target = target.tvm_target()
     bb = relax.BlockBuilder(mod)
     add_kv_cache_factory(bb, config, tvm_target)
@@ -47,7 +49,7 @@ def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelC
     if target.kind == "llvm":
         mod = use_kiln_cpu_attention(mod, config)
     with cuda_compile_mode(target):
-        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target))
+        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, database))
     return executable, params
 
 

@@ -21,8 +21,9 @@ def relax_dtype(dtype: ir.DataType) -> str:
 @dataclass
 class ConvertContext:
     bb: relax.BlockBuilder
-    # Symbolic dims of this function, by ONNX dim_param name ("batch", "seq", "past").
-    dims: dict[str, tirx.Var] = field(default_factory=dict)
+    # Symbolic dims of this function, by ONNX dim_param name ("batch", "seq", "past"); a
+    # static bucket maps some to constants.
+    dims: dict[str, tirx.Var | tirx.IntImm] = field(default_factory=dict)
     # Values known at compile time (Constant nodes, small initializers), by value name.
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # The paged KV cache object this function takes, when it has paged attention.
@@ -33,7 +34,7 @@ class ConvertContext:
     # activation rows, so quantized matmuls dequantize weight tiles once, not per row.
     many_tokens: bool = False
 
-    def dim(self, name: str) -> tirx.Var:
+    def dim(self, name: str) -> tirx.Var | tirx.IntImm:
         if name not in self.dims:
             self.dims[name] = tirx.Var(name, "int64")
         return self.dims[name]

@@ -97,11 +97,14 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
     return out
 
 
-def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None) -> tuple[tvm.IRModule, ParamTable]:
+def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None,
+                  static_dims: dict[str, dict[str, int]] | None = None) -> tuple[tvm.IRModule, ParamTable]:
+    """``static_dims[fname]``: ONNX dim names fixed to a size in that function (a static
+    bucket of a dynamic graph: every kernel it calls gets static shapes)."""
     params = params or collect_params(graphs)
     bb = relax.BlockBuilder()
     for fname, model in graphs.items():
-        _import_function(bb, fname, model.graph, params)
+        _import_function(bb, fname, model.graph, params, (static_dims or {}).get(fname, {}))
     return bb.get(), params
 
 
@@ -112,8 +115,10 @@ def _many_tokens(graph: ir.Graph) -> bool:
     return ids.shape is None or ids.shape[-1] != 1
 
 
-def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable) -> None:
-    ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph))
+def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable,
+                     static_dims: dict[str, int]) -> None:
+    ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph),
+                         dims={name: tvm.tirx.IntImm("int64", size) for name, size in static_dims.items()})
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
               for v in graph.inputs]
     if any(n.domain == KV_CACHE_DOMAIN and n.op_type in KV_CACHE_OPS for n in graph):

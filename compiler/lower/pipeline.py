@@ -16,7 +16,7 @@ from .schedule_rules import default_rules
 
 def fusion_passes() -> list[tvm.transform.Pass]:
     """Legalize and fuse: after these, every kernel is the PrimFunc that gets scheduled
-    (the module MetaSchedule extracts its tasks from)."""
+    (what ``kiln tune`` extracts its tasks from)."""
     return [
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),

@@ -38,6 +38,7 @@ def default_rules(kind: str) -> list[dl.ScheduleRule]:
             StaticInnerOutput(dl.gpu.GeneralReduction()),
             dl.gpu.Fallback(),
         ]
-    from .schedules import CPUElementwise, CPUMatmulNN, CPUMatmulNT
+    from .schedules import CPUElementwise, CPUMatmulNN, CPUMatmulNT, CPUSingleRowReduction
 
-    return [CPUMatmulNT(), CPUMatmulNN(), dl.cpu.GEMV(), dl.cpu.Reduction(), CPUElementwise()]
+    return [CPUMatmulNT(), CPUMatmulNN(), dl.cpu.GEMV(), CPUSingleRowReduction(), dl.cpu.Reduction(),
+            CPUElementwise()]

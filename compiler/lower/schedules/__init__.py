@@ -2,5 +2,6 @@
 
 from .cpu_elementwise import CPUElementwise
 from .cpu_matmul import CPUMatmulNN, CPUMatmulNT
+from .cpu_single_row import CPUSingleRowReduction
 
-__all__ = ["CPUElementwise", "CPUMatmulNN", "CPUMatmulNT"]
+__all__ = ["CPUElementwise", "CPUMatmulNN", "CPUMatmulNT", "CPUSingleRowReduction"]

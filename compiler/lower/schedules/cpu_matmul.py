@@ -10,6 +10,8 @@ decode (m = 1) four weight rows stream at once, bandwidth-bound as it should be.
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -66,6 +68,9 @@ def _normalized(func, target, keep: tuple[str, ...] = ()):
     return None if infos is None else (sch, infos, [b.block_rv for b in kept])
 
 
+GEMV_MAX_ROWS = 4  # static row counts up to this are scheduled as decode GEMVs
+
+
 class CPUMatmulNT(dl.ScheduleRule):
     def __init__(self, gemm_nt: int = 8, gemv_nt: int = 4, vec: int | None = None):
         # Measured on Zen 4: 8 rows per tile reach ~100 GFLOP/s on prefill GEMMs; for
@@ -98,9 +103,11 @@ class CPUMatmulNT(dl.ScheduleRule):
         vec = self.vec or vector_lanes(target)
         if k_extent % vec:
             return None
-        # M is one dynamic dim (a decode batch, usually 1): a GEMV. Anything else: a GEMM.
-        m_doms = [i.dom for i in main.iters[shared:-2]]
-        gemv = len(m_doms) == 1 and _static(m_doms[0]) is None
+        # M is one dynamic dim (a decode batch) or a static handful of rows (a static
+        # decode bucket): a GEMV. Anything else: a GEMM.
+        m_sizes = [_static(i.dom) for i in main.iters[shared:-2]]
+        gemv = (len(m_sizes) == 1 and m_sizes[0] is None) or (
+            None not in m_sizes and math.prod(m_sizes) <= GEMV_MAX_ROWS)
         # A staged weight (the lowering's choice for prefill) marks a GEMM whatever the shapes say.
         gemv = gemv and not dequantize
         nt = self.gemv_nt if gemv else self.gemm_nt

@@ -1,0 +1,35 @@
+"""Static-shape buckets: copies of a dynamic function with some dims fixed.
+
+MetaSchedule tunes only static shapes, and a kernel whose every extent is known compiles
+without the loop tails of a dynamic one. ``decode_b1`` is ``decode`` at batch 1, the
+latency-bound case of one user; the runtime calls it for one-sequence decode steps
+(the manifest's ``dispatch.static_decode``) and ``decode`` for the rest.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..targets import TargetSpec
+
+BATCH_DIM = "batch"  # the ONNX dim_param of input_ids' first axis (export/onnx_export.py)
+
+
+def decode_bucket_name(batch: int) -> str:
+    return f"decode_b{batch}"
+
+
+def static_decode_batches(target: TargetSpec) -> tuple[int, ...]:
+    # CUDA kernels are scheduled for dynamic batches by dlight's GPU rules; buckets there
+    # wait for a GPU to tune and measure them on.
+    return (1,) if target.kind == "llvm" else ()
+
+
+def with_buckets(graphs: dict[str, ir.Model], target: TargetSpec):
+    """(graphs with every bucket added, {bucket name: {dim: size}})."""
+    out, static = dict(graphs), {}
+    for batch in static_decode_batches(target):
+        name = decode_bucket_name(batch)
+        out[name] = graphs["decode"]
+        static[name] = {BATCH_DIM: batch}
+    return out, static

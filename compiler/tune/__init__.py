@@ -1,0 +1,1 @@
+"""MetaSchedule tuning (``kiln tune``) and the committed databases ``kiln compile`` applies."""

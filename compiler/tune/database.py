@@ -1,0 +1,91 @@
+"""Where MetaSchedule databases live and how ``kiln compile`` finds them.
+
+One folder per target key under ``schedules/`` (``llvm-znver4``, ``cuda-sm_90``), holding
+MetaSchedule's JSON database (``database_workload.json``, ``database_tuning_record.json``).
+Records are keyed by each kernel's structure, so one database serves every model and
+quantization whose kernels it has seen; kernels without a record get the default rules.
+A tuned schedule is only valid for the CPU it was measured on: the key names the LLVM CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..targets import TargetSpec
+
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+
+
+def schedules_root() -> Path:
+    """``$KILN_SCHEDULES``, else the repository's ``schedules/``."""
+    env = os.environ.get("KILN_SCHEDULES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "schedules"
+
+
+def target_key(target: TargetSpec) -> str:
+    """``llvm-<mcpu>`` (this host's CPU when the spec names none) or ``cuda-sm_XX``."""
+    if target.kind != "llvm":
+        return target.key
+    return f"llvm-{target.tvm_target().attrs['mcpu']}"
+
+
+def database_dir(target: TargetSpec, root: Path | None = None) -> Path:
+    return (root or schedules_root()) / target_key(target)
+
+
+def open_database(folder: Path, create: bool = False):
+    """The JSON database in ``folder`` (None when it has none and ``create`` is False)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    folder = Path(folder)
+    if not create and not (folder / WORKLOADS).is_file():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return ms.database.JSONDatabase(str(folder / WORKLOADS), str(folder / RECORDS), allow_missing=create,
+                                    module_equality="structural")
+
+
+def load_database(target: TargetSpec, root: Path | None = None):
+    """The committed database for ``target``, or None (the default rules schedule all)."""
+    return open_database(database_dir(target, root))
+
+
+def compact_database(folder: Path, floors: dict[int, float] | None = None) -> int:
+    """Keep only the fastest measured record of each kernel in ``folder``'s database (what
+    ``kiln compile`` applies; the rest only grows the committed files), and none for a kernel
+    whose ``floors[structural hash]`` (its default schedule's seconds) it does not beat.
+    Returns how many records remain."""
+    import tempfile
+
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    folder = Path(folder)
+    database = open_database(folder)
+    if database is None:
+        return 0
+    best: dict[int, ms.database.TuningRecord] = {}
+    for record in database.get_all_tuning_records():
+        if not record.run_secs:
+            continue
+        key = tvm_ffi.structural_hash(record.workload.mod)
+        seconds = _mean(record)
+        if key not in best or seconds < _mean(best[key]):
+            best[key] = record
+    best = {key: r for key, r in best.items() if _mean(r) < (floors or {}).get(key, float("inf"))}
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        compact = open_database(Path(tmp), create=True)
+        for record in best.values():
+            workload = compact.commit_workload(record.workload.mod)
+            compact.commit_tuning_record(ms.database.TuningRecord(
+                record.trace, workload, record.run_secs, record.target, record.args_info))
+        del compact
+        for name in (WORKLOADS, RECORDS):
+            os.replace(Path(tmp) / name, folder / name)
+    return len(best)
+
+
+def _mean(record) -> float:
+    return sum(float(s) for s in record.run_secs) / len(record.run_secs)
