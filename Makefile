@@ -45,7 +45,7 @@ bench: $(ARTIFACT)/manifest.json artifacts/smollm2-135m-instruct-int8-llvm/manif
 	$(BIN)/python bench/serving.py $(ARTIFACT) --out bench/out
 
 # MetaSchedule search over the default model's static (batch-1 decode) kernels into
-# schedules/llvm-<this CPU>/, which kiln compile applies; commit the result.
+# schedules/llvm-<this CPU>/, which kiln compile applies (see README, Tuning).
 tune: $(STAMP)
 	$(BIN)/kiln tune default --target llvm --trials 64
 
