@@ -29,8 +29,8 @@ def measure(ex, batch: int, context: int, steps: int, rng) -> dict[str, float]:
     for s in range(batch):
         cache.add(s)
         ex.forward(cache, [Chunk(s, tuple(rng.integers(0, vocab, context).tolist()), 0)])
-    routes = ["decode", *(f"decode_b{b}" for b in ex.manifest.dispatch.static_decode if b == batch), "prefill"]
-    times: dict[str, list[float]] = {route: [] for route in routes}
+    bucket = ex.manifest.dispatch.static_function(batch)
+    times: dict[str, list[float]] = {route: [] for route in ("decode", bucket, "prefill") if route}
     position = context
     for _ in range(steps + 1):  # the first step of each route warms up and is dropped
         for via in times:

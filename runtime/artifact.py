@@ -91,7 +91,11 @@ class Dispatch:
             raise ValueError(f"dispatch.static_decode must be a list of positive integers, got {self.static_decode!r}")
 
     def function_names(self) -> tuple[str, ...]:
-        return tuple(f"decode_b{b}" for b in self.static_decode)
+        return tuple(decode_bucket_name(b) for b in self.static_decode)
+
+    def static_function(self, batch: int) -> str | None:
+        """The static bucket for a decode step of ``batch`` sequences, if the artifact has one."""
+        return decode_bucket_name(batch) if batch in self.static_decode else None
 
     def to_dict(self) -> dict:
         return {"decode_max_batch": self.decode_max_batch, "static_decode": list(self.static_decode)}
@@ -101,6 +105,10 @@ class Dispatch:
         static = data.get("static_decode", [])
         return cls(decode_max_batch=data.get("decode_max_batch"),
                    static_decode=tuple(static) if isinstance(static, list) else static)
+
+
+def decode_bucket_name(batch: int) -> str:
+    return f"decode_b{batch}"
 
 
 def _positive_int(value) -> bool:

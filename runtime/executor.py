@@ -146,7 +146,6 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
-        self._static_decode = {b: f"decode_b{b}" for b in manifest.dispatch.static_decode}
 
     def create_cache(self, config: CacheConfig) -> KVCache:
         if config.page_size != self.page_size:
@@ -166,7 +165,7 @@ class PagedExecutor:
         limit = self.manifest.dispatch.decode_max_batch
         if limit is not None and len(chunks) > limit:
             return "prefill"
-        return self._static_decode.get(len(chunks), "decode")
+        return self.manifest.dispatch.static_function(len(chunks)) or "decode"
 
     def forward(self, cache: KVCache, chunks: Sequence[Chunk], via: str | None = None) -> np.ndarray:
         """Append every chunk's tokens to its sequence and return the requested logits,
@@ -174,13 +173,14 @@ class PagedExecutor:
         ("decode" and its buckets need one token per chunk; benchmarks and tests compare
         the routes)."""
         via = via or self.route(chunks)
+        dispatch = self.manifest.dispatch
         if via != "prefill":
-            if via != "decode" and via not in self._static_decode.values():
+            if via != "decode" and via not in dispatch.function_names():
                 raise ValueError(f"via must be 'prefill', 'decode' or one of this artifact's buckets "
-                                 f"{sorted(self._static_decode.values())}, got {via!r}")
+                                 f"{sorted(dispatch.function_names())}, got {via!r}")
             if any(len(c.tokens) != 1 for c in chunks):
                 raise ValueError(f"{via} runs one token per sequence")
-            if via != "decode" and via != self._static_decode.get(len(chunks)):
+            if via != "decode" and via != dispatch.static_function(len(chunks)):
                 raise ValueError(f"{via} runs a batch of exactly its size, got {len(chunks)} sequences")
         if not chunks:
             return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kiln.runtime.artifact import decode_bucket_name
+
 from ..targets import TargetSpec
 
 BATCH_DIM = "batch"  # the ONNX dim_param of input_ids' first axis (export/onnx_export.py)
-
-
-def decode_bucket_name(batch: int) -> str:
-    return f"decode_b{batch}"
 
 
 def static_decode_batches(target: TargetSpec) -> tuple[int, ...]:

@@ -33,21 +33,30 @@ def cuda_compile_mode(target: TargetSpec):
             os.environ["TVM_CUDA_COMPILE_MODE"] = previous
 
 
-def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
-                 static_dims: dict[str, dict[str, int]] | None = None, database=None):
-    """Import the graphs into one module, add the KV-cache factory, compile. Returns
-    (executable, params). ``static_dims``: the static buckets (``buckets.py``);
-    ``database``: MetaSchedule records to apply before the default rules (``tune/``)."""
-    import tvm
+def relax_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
+                 static_dims: dict[str, dict[str, int]] | None = None):
+    """Import the graphs into one module and add the KV-cache factory (and, on CPU, Kiln's
+    attention kernels): what the pipeline compiles. Returns (module, params).
+    ``static_dims``: the static buckets (``buckets.py``)."""
     from tvm import relax
 
     mod, params = import_graphs(graphs, static_dims=static_dims)
-    tvm_target = target.tvm_target()
     bb = relax.BlockBuilder(mod)
-    add_kv_cache_factory(bb, config, tvm_target)
+    add_kv_cache_factory(bb, config, target.tvm_target())
     mod = bb.get()
     if target.kind == "llvm":
         mod = use_kiln_cpu_attention(mod, config)
+    return mod, params
+
+
+def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
+                 static_dims: dict[str, dict[str, int]] | None = None, database=None):
+    """``relax_module``, compiled. Returns (executable, params). ``database``: MetaSchedule
+    records to apply before the default rules (``tune/``)."""
+    import tvm
+
+    mod, params = relax_module(graphs, target, config, static_dims)
+    tvm_target = target.tvm_target()
     with cuda_compile_mode(target):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, database))
     return executable, params

@@ -71,10 +71,10 @@ def compact_database(folder: Path, floors: dict[int, float] | None = None) -> in
         if not record.run_secs:
             continue
         key = tvm_ffi.structural_hash(record.workload.mod)
-        seconds = _mean(record)
-        if key not in best or seconds < _mean(best[key]):
+        seconds = mean_seconds(record.run_secs)
+        if key not in best or seconds < mean_seconds(best[key].run_secs):
             best[key] = record
-    best = {key: r for key, r in best.items() if _mean(r) < (floors or {}).get(key, float("inf"))}
+    best = {key: r for key, r in best.items() if mean_seconds(r.run_secs) < (floors or {}).get(key, float("inf"))}
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         compact = open_database(Path(tmp), create=True)
         for record in best.values():
@@ -87,5 +87,6 @@ def compact_database(folder: Path, floors: dict[int, float] | None = None) -> in
     return len(best)
 
 
-def _mean(record) -> float:
-    return sum(float(s) for s in record.run_secs) / len(record.run_secs)
+def mean_seconds(run_secs) -> float:
+    """The mean of a MetaSchedule measurement's per-repeat seconds."""
+    return sum(float(s) for s in run_secs) / len(run_secs)

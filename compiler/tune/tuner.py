@@ -21,7 +21,7 @@ from kiln.runtime.model_config import ModelConfig
 
 from ..lower.buckets import with_buckets
 from ..targets import TargetSpec
-from .database import open_database
+from .database import mean_seconds, open_database
 
 
 @dataclass(frozen=True)
@@ -58,19 +58,13 @@ Log = Callable[[str], None]
 def fused_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig):
     """The model's module after fusion: every kernel is one PrimFunc, unscheduled."""
     import tvm
-    from tvm import relax
 
-    from ..lower.importer import import_graphs
-    from ..lower.kv_cache import add_kv_cache_factory, use_kiln_cpu_attention
+    from ..lower.build import relax_module
     from ..lower.pipeline import fusion_passes
 
     functions, static_dims = with_buckets(graphs, target)
-    mod, _ = import_graphs(functions, static_dims=static_dims)
-    tvm_target = target.tvm_target()
-    bb = relax.BlockBuilder(mod)
-    add_kv_cache_factory(bb, config, tvm_target)
-    mod = use_kiln_cpu_attention(bb.get(), config)
-    with tvm_target:
+    mod, _ = relax_module(functions, target, config, static_dims)
+    with target.tvm_target():
         return tvm.transform.Sequential(fusion_passes())(mod)
 
 
@@ -116,7 +110,7 @@ def _measure_default(task, tvm_target, builder, runner) -> float | None:
     result = runner.run([ms.runner.RunnerInput(built.artifact_path, "cpu", args_info)])[0].result()
     if result.error_msg:
         return None
-    return float(sum(float(s) for s in result.run_secs) / len(result.run_secs))
+    return mean_seconds(result.run_secs)
 
 
 def _best_us(database, task, tvm_target) -> float | None:
@@ -126,8 +120,7 @@ def _best_us(database, task, tvm_target) -> float | None:
     records = database.get_top_k(database.commit_workload(mod), 1)
     if not records or not records[0].run_secs:
         return None
-    secs = [float(s) for s in records[0].run_secs]
-    return sum(secs) / len(secs) * 1e6
+    return mean_seconds(records[0].run_secs) * 1e6
 
 
 def tune_graphs(graphs: dict[str, ir.Model], config: ModelConfig, options: TuneOptions, out_dir: Path,
