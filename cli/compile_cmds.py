@@ -53,19 +53,27 @@ def compile_command(model, target, out, context_length, dump_dir, quant, quant_e
               help="tune the kernels of these weight schemes (repeatable) [default: fp32]")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="database folder [default: schedules/<target key>/]")
+@click.option("--gate/--no-gate", default=True, show_default=True,
+              help="keep records only if the static-bucket step, built and timed with and without them, "
+                   "runs faster with them")
 @handle_errors
-def tune_command(model, target, trials, quants, out):
+def tune_command(model, target, trials, quants, out, gate):
     """Tune MODEL's static-shape kernels (the batch-1 decode bucket) with MetaSchedule into
     the target's database, which kiln compile then applies."""
     from kiln.compiler.targets import parse_target
     from kiln.compiler.tune.tuner import TuneOptions, tune_model
 
-    options = TuneOptions(parse_target(target), trials=trials, out_dir=out)
-    results = tune_model(model, [parse_quant(q) for q in (quants or ("fp32",))], options,
-                         log=lambda m: click.echo(m, err=True))
-    tuned = [r for r in results if r.tuned]
-    click.echo(f"{len(results)} kernels; MetaSchedule beat the default schedule on {len(tuned)}"
+    options = TuneOptions(parse_target(target), trials=trials, out_dir=out, gate=gate)
+    report = tune_model(model, [parse_quant(q) for q in (quants or ("fp32",))], options,
+                        log=lambda m: click.echo(m, err=True))
+    tuned = [r for r in report.tasks if r.tuned]
+    click.echo(f"{len(report.tasks)} kernels; MetaSchedule beat the default schedule on {len(tuned)}"
                + (f": {', '.join(r.name for r in tuned)}" if tuned else ""))
+    for scheme, result in (report.gates or {}).items():
+        click.echo(f"{scheme}: {result.summary()}")
+    if report.gates is None:
+        click.echo("step gate skipped (--no-gate): the records are unchecked against the step")
+    click.echo(f"database: {report.database} ({report.records} records)")
 
 
 @cli.command("verify")

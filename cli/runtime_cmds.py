@@ -125,6 +125,11 @@ def serve_command(artifact, host, port, served_model_name, max_num_seqs, max_bat
 def _dispatch_row(dispatch) -> str:
     row = ("decode: every batch" if dispatch.decode_max_batch is None else
            f"decode up to {dispatch.decode_max_batch} sequences, prefill above")
-    for batch, name in zip(dispatch.static_decode, dispatch.function_names()):
-        row += f"; {name} (static shapes) for {batch}"
+    for batch in dispatch.static_decode:
+        row += f"; {dispatch.static_function(batch)} (static shapes) for {batch}"
+    if dispatch.static_prefill:
+        from kiln.runtime.artifact import prefill_bucket_name
+
+        pieces = ", ".join(prefill_bucket_name(t) for t in sorted(dispatch.static_prefill, reverse=True))
+        row += f"; prefills run in static pieces ({pieces}), the rest through prefill"
     return row

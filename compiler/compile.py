@@ -23,7 +23,7 @@ from .lower.kv_cache import CACHE_ARGS, FACTORY, PAGE_SIZE
 from .models.source import ModelSource, resolve_model
 from .passes.pipeline import run_passes
 from .targets import TargetSpec
-from .tune.database import database_dir, load_database
+from .tune.database import database_dir, open_database
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,21 @@ class CompileOptions:
     dump_dir: Path | None = None
     quant: QuantConfig = QuantConfig(SCHEMES["fp32"])
     tuned: bool = True  # apply the target's committed MetaSchedule database when there is one
+    # The database folder to apply instead of the target's under schedules/ (kiln tune's
+    # step gate builds with its candidate records). None: the target's, when tuned.
+    schedules_dir: Path | None = None
 
     def __post_init__(self):
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+        if self.schedules_dir is not None and not self.tuned:
+            raise ValueError("schedules_dir names a database to apply, but tuned is False")
+
+    def database_folder(self) -> Path | None:
+        """The folder whose MetaSchedule database this compile applies (None: default rules only)."""
+        if not self.tuned:
+            return None
+        return Path(self.schedules_dir) if self.schedules_dir is not None else database_dir(self.target)
 
 
 Log = Callable[[str], None]
@@ -73,10 +84,13 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
 
     config = source.config
     target_info = options.target.info()
-    functions, static_dims = with_buckets(dict(graphs.items()), options.target)
-    database = load_database(options.target) if options.tuned else None
+    functions, static_dims = with_buckets(dict(graphs.items()), options.target, config.context_length)
+    folder = options.database_folder()
+    database = open_database(folder) if folder is not None else None
+    if database is None and options.schedules_dir is not None:
+        raise ValueError(f"schedules_dir: {folder} holds no MetaSchedule database")
     # Kernels with a record in the database get its schedule, the rest dlight's rules.
-    schedules = (f"MetaSchedule records from {database_dir(options.target)} ({len(database)} records), "
+    schedules = (f"MetaSchedule records from {folder} ({len(database)} records), "
                  "default rules elsewhere" if database is not None else "default rules")
     log(f"schedules: {schedules}")
     with _step(log, f"build for {options.target.key}"):
@@ -109,7 +123,7 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             },
             params=entries,
             files={},
-            dispatch=choose_dispatch(options.target, options.quant),
+            dispatch=choose_dispatch(options.target, options.quant, config.context_length),
             extra={"quantization": options.quant.describe(), "schedules": schedules},
         )
         return manifest, [LIBRARY_FILE, PARAMS_FILE, *tokenizer_files]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kiln.runtime.artifact import Dispatch
 from kiln.runtime.quantization import QuantConfig
 
-from .lower.buckets import static_decode_batches
+from .lower.buckets import static_decode_batches, static_prefill_tokens
 from .targets import TargetSpec
 
 # The largest decode batch ``decode`` still runs, by weight storage, on CPU. Its GEMVs
@@ -21,9 +21,9 @@ from .targets import TargetSpec
 _CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 1}
 
 
-def choose_dispatch(target: TargetSpec, quant: QuantConfig) -> Dispatch:
-    static = static_decode_batches(target)
+def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int) -> Dispatch:
+    static = {"static_decode": static_decode_batches(target), "static_prefill": static_prefill_tokens(target, context_length)}
     if target.kind != "llvm":
         # dlight's GPU GEMV rules schedule small batches themselves; not measured on a GPU.
-        return Dispatch(static_decode=static)
-    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind], static_decode=static)
+        return Dispatch(**static)
+    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind], **static)

@@ -78,37 +78,58 @@ class Dispatch:
     weights its GEMMs dequantize each weight tile once for all rows, where ``decode``'s
     GEMVs dequantize it again for every row. None: every decode step runs ``decode``.
     ``static_decode``: batch sizes with a static-shape copy of ``decode`` named
-    ``decode_b<N>`` (kernels tuned for exactly that batch), run for decode steps of N."""
+    ``decode_b<N>`` (kernels tuned for exactly that batch), run for decode steps of N.
+    ``static_prefill``: token counts with a static-shape copy of ``prefill`` named
+    ``prefill_t<T>`` (GEMMs tiled over rows as well as columns); a prefill of more tokens
+    runs in pieces of those sizes and the remainder through ``prefill`` (``prefill_plan``)."""
 
     decode_max_batch: int | None = None
     static_decode: tuple[int, ...] = ()
+    static_prefill: tuple[int, ...] = ()
 
     def __post_init__(self):
         m = self.decode_max_batch
         if m is not None and not _positive_int(m):
             raise ValueError(f"dispatch.decode_max_batch must be a positive integer or null, got {m!r}")
-        if not isinstance(self.static_decode, tuple) or not all(_positive_int(b) for b in self.static_decode):
-            raise ValueError(f"dispatch.static_decode must be a list of positive integers, got {self.static_decode!r}")
+        for name in ("static_decode", "static_prefill"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(_positive_int(b) for b in value) or len(set(value)) != len(value):
+                raise ValueError(f"dispatch.{name} must be a list of distinct positive integers, got {value!r}")
 
     def function_names(self) -> tuple[str, ...]:
-        return tuple(decode_bucket_name(b) for b in self.static_decode)
+        return (*(decode_bucket_name(b) for b in self.static_decode),
+                *(prefill_bucket_name(t) for t in self.static_prefill))
 
     def static_function(self, batch: int) -> str | None:
         """The static bucket for a decode step of ``batch`` sequences, if the artifact has one."""
         return decode_bucket_name(batch) if batch in self.static_decode else None
 
+    def prefill_plan(self, tokens: int) -> list[tuple[str, int]]:
+        """(function, tokens) pieces that run a prefill of ``tokens`` tokens in order: as many
+        of the largest static bucket as fit, then the next, the rest through ``prefill``."""
+        plan = []
+        for size in sorted(self.static_prefill, reverse=True):
+            plan += [(prefill_bucket_name(size), size)] * (tokens // size)
+            tokens %= size
+        return plan + ([("prefill", tokens)] if tokens else [])
+
     def to_dict(self) -> dict:
-        return {"decode_max_batch": self.decode_max_batch, "static_decode": list(self.static_decode)}
+        return {"decode_max_batch": self.decode_max_batch, "static_decode": list(self.static_decode),
+                "static_prefill": list(self.static_prefill)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Dispatch":
-        static = data.get("static_decode", [])
+        lists = {name: data.get(name, []) for name in ("static_decode", "static_prefill")}
         return cls(decode_max_batch=data.get("decode_max_batch"),
-                   static_decode=tuple(static) if isinstance(static, list) else static)
+                   **{name: tuple(v) if isinstance(v, list) else v for name, v in lists.items()})
 
 
 def decode_bucket_name(batch: int) -> str:
     return f"decode_b{batch}"
+
+
+def prefill_bucket_name(tokens: int) -> str:
+    return f"prefill_t{tokens}"
 
 
 def _positive_int(value) -> bool:

@@ -16,13 +16,14 @@ Which sequence each token belongs to is the cache's state for the step
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .artifact import LIBRARY_FILE, Manifest, read_params
+from .artifact import LIBRARY_FILE, Manifest, prefill_bucket_name, read_params
 from .errors import ArtifactError
 from .tvm_runtime import VirtualMachine, tvm
 
@@ -146,6 +147,7 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
+        self._prefill_buckets = {prefill_bucket_name(t): t for t in manifest.dispatch.static_prefill}
 
     def create_cache(self, config: CacheConfig) -> KVCache:
         if config.page_size != self.page_size:
@@ -159,7 +161,7 @@ class PagedExecutor:
 
     def route(self, chunks: Sequence[Chunk]) -> str:
         """The function ``forward`` runs for these chunks: "prefill", "decode" or a static
-        bucket "decode_b<N>"."""
+        bucket "decode_b<N>" ("prefill" may run in static pieces: ``Dispatch.prefill_plan``)."""
         if any(len(c.tokens) != 1 for c in chunks):
             return "prefill"
         limit = self.manifest.dispatch.decode_max_batch
@@ -169,45 +171,107 @@ class PagedExecutor:
 
     def forward(self, cache: KVCache, chunks: Sequence[Chunk], via: str | None = None) -> np.ndarray:
         """Append every chunk's tokens to its sequence and return the requested logits,
-        [sum of len(logit_offsets)] x vocab, in chunk order. ``via`` forces the function
-        ("decode" and its buckets need one token per chunk; benchmarks and tests compare
-        the routes)."""
-        via = via or self.route(chunks)
+        [sum of len(logit_offsets)] x vocab, in chunk order. ``via`` forces one function for
+        the whole step ("decode" and its buckets need one token per chunk, a prefill bucket
+        exactly its token count, "prefill" is then the dynamic function alone; benchmarks and
+        tests compare the routes). Without it a prefill runs in ``Dispatch.prefill_plan``'s
+        pieces: static buckets first, the remainder through ``prefill``."""
+        if via is not None:
+            self._check_via(via, chunks)
+        if not chunks:
+            return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
+        total = sum(len(c.tokens) for c in chunks)
+        if via is None:
+            via = self.route(chunks)
+            if via == "prefill" and all(_ascending(c.logit_offsets()) for c in chunks):
+                return self._prefill_pieces(cache, chunks, self.manifest.dispatch.prefill_plan(total))
+        if via == "prefill" or via in self._prefill_buckets:
+            return self._prefill_pieces(cache, chunks, [(via, total)])
+        return self._decode(cache, chunks, via)
+
+    def _check_via(self, via: str, chunks: Sequence[Chunk]) -> None:
         dispatch = self.manifest.dispatch
-        if via != "prefill":
-            if via != "decode" and via not in dispatch.function_names():
-                raise ValueError(f"via must be 'prefill', 'decode' or one of this artifact's buckets "
-                                 f"{sorted(dispatch.function_names())}, got {via!r}")
+        if via not in ("prefill", "decode", *dispatch.function_names()):
+            raise ValueError(f"via must be 'prefill', 'decode' or one of this artifact's buckets "
+                             f"{sorted(dispatch.function_names())}, got {via!r}")
+        total = sum(len(c.tokens) for c in chunks)
+        if via in self._prefill_buckets:
+            if total != self._prefill_buckets[via]:
+                raise ValueError(f"{via} runs exactly {self._prefill_buckets[via]} tokens, got {total}")
+        elif via != "prefill":
             if any(len(c.tokens) != 1 for c in chunks):
                 raise ValueError(f"{via} runs one token per sequence")
             if via != "decode" and via != dispatch.static_function(len(chunks)):
                 raise ValueError(f"{via} runs a batch of exactly its size, got {len(chunks)} sequences")
-        if not chunks:
-            return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
-        seq_ids = tvm.runtime.ShapeTuple([c.seq_id for c in chunks])
-        lengths = tvm.runtime.ShapeTuple([len(c.tokens) for c in chunks])
+
+    def _decode(self, cache: KVCache, chunks: Sequence[Chunk], via: str) -> np.ndarray:
+        ids = np.asarray([[c.tokens[0]] for c in chunks], dtype=np.int64)
+        pos = np.asarray([[c.start] for c in chunks], dtype=np.int64)
+        with self._step(cache, chunks):
+            logits = self._fns[via](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]
+        rows = [i for i, c in enumerate(chunks) if c.logit_offsets()]
+        out = logits.numpy()
+        return out if len(rows) == len(chunks) else out[rows]
+
+    def _prefill_pieces(self, cache: KVCache, chunks: Sequence[Chunk], plan: list[tuple[str, int]]) -> np.ndarray:
+        """Run the chunks' tokens, in order, as ``plan``'s (function, token count) pieces: a
+        chunk may be cut between two pieces (its second part then attends to the first
+        through the cache, as in chunked prefill). Each chunk's logit offsets ascend, so the
+        pieces' logits, concatenated, come in the chunks' order."""
+        if len(plan) == 1:
+            return self._prefill(cache, chunks, plan[0][0])
+        pieces = _cut(chunks, [n for _, n in plan])
+        return np.concatenate([self._prefill(cache, piece, fn) for piece, (fn, _) in zip(pieces, plan)])
+
+    def _prefill(self, cache: KVCache, chunks: Sequence[Chunk], fn: str) -> np.ndarray:
+        ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64)[None]
+        pos = np.concatenate([np.arange(c.start, c.start + len(c.tokens), dtype=np.int64)
+                              for c in chunks])[None]
+        offsets, base = [], 0
+        for c in chunks:
+            offsets.extend(base + o for o in c.logit_offsets())
+            base += len(c.tokens)
+        wanted = bool(offsets)
+        if not wanted:
+            offsets = [base - 1]  # the graph needs at least one row; discarded below
+        with self._step(cache, chunks):
+            logits = self._fns[fn](self._tensor(ids), self._tensor(pos),
+                                   self._tensor(np.asarray(offsets, dtype=np.int64)),
+                                   cache.handle, self._params)[0].numpy()
+        return logits if wanted else logits[:0]
+
+    @contextlib.contextmanager
+    def _step(self, cache: KVCache, chunks: Sequence[Chunk]):
+        """The cache's state for one forward: which sequence each token belongs to."""
         b = self._builtins
-        b.begin(cache.handle, seq_ids, lengths)
+        b.begin(cache.handle, tvm.runtime.ShapeTuple([c.seq_id for c in chunks]),
+                tvm.runtime.ShapeTuple([len(c.tokens) for c in chunks]))
         try:
-            if via != "prefill":
-                ids = np.asarray([[c.tokens[0]] for c in chunks], dtype=np.int64)
-                pos = np.asarray([[c.start] for c in chunks], dtype=np.int64)
-                logits = self._fns[via](self._tensor(ids), self._tensor(pos), cache.handle, self._params)[0]
-                rows = [i for i, c in enumerate(chunks) if c.logit_offsets()]
-                out = logits.numpy()
-                return out if len(rows) == len(chunks) else out[rows]
-            ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64)[None]
-            pos = np.concatenate([np.arange(c.start, c.start + len(c.tokens), dtype=np.int64)
-                                  for c in chunks])[None]
-            offsets, base = [], 0
-            for c in chunks:
-                offsets.extend(base + o for o in c.logit_offsets())
-                base += len(c.tokens)
-            if not offsets:
-                offsets = [base - 1]  # the graph needs at least one row; discarded below
-            logits = self._fns["prefill"](self._tensor(ids), self._tensor(pos),
-                                          self._tensor(np.asarray(offsets, dtype=np.int64)),
-                                          cache.handle, self._params)[0].numpy()
-            return logits if any(c.logit_offsets() for c in chunks) else logits[:0]
+            yield
         finally:
             b.end(cache.handle)
+
+
+def _ascending(offsets: tuple[int, ...]) -> bool:
+    return all(a < b for a, b in zip(offsets, offsets[1:]))
+
+
+def _cut(chunks: Sequence[Chunk], sizes: list[int]) -> list[list[Chunk]]:
+    """The chunks' tokens cut, in order, into pieces of ``sizes`` tokens. Each part keeps
+    the logit offsets that fall in it (ascending), so the pieces' logits, concatenated,
+    are the uncut call's rows in order."""
+    pieces = []
+    i, taken = 0, 0  # the next chunk, and how many of its tokens earlier pieces took
+    for size in sizes:
+        piece = []
+        while size:
+            c = chunks[i]
+            n = min(size, len(c.tokens) - taken)
+            at = tuple(o - taken for o in c.logit_offsets() if taken <= o < taken + n)
+            piece.append(Chunk(c.seq_id, c.tokens[taken:taken + n], c.start + taken, at))
+            size -= n
+            taken += n
+            if taken == len(c.tokens):
+                i, taken = i + 1, 0
+        pieces.append(piece)
+    return pieces

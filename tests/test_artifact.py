@@ -101,9 +101,11 @@ def test_manifest_describes_the_artifact(checkpoint, compiled):
     assert raw["schema_version"] == 1 and raw["kiln_version"] and raw["tvm_version"].startswith("0.27")
     assert m.model.architecture == "qwen2" and m.model.qkv_bias
     assert m.target.kind == "llvm" and m.target.device == "cpu" and m.target.mcpu
-    # decode_b1: decode at a static batch of 1 (the tuned bucket), called for one sequence.
-    assert set(m.functions) == {"create_kv_cache", "prefill", "decode", "decode_b1"}
+    # decode_b1: decode at a static batch of 1 (the tuned bucket), called for one sequence;
+    # prefill_t128: prefill of exactly 128 tokens (the tiny model's whole context).
+    assert set(m.functions) == {"create_kv_cache", "prefill", "decode", "decode_b1", "prefill_t128"}
     assert m.functions["decode_b1"] == m.functions["decode"] and m.dispatch.static_decode == (1,)
+    assert m.functions["prefill_t128"] == m.functions["prefill"] and m.dispatch.static_prefill == (128,)
     assert m.functions["prefill"].inputs == ("input_ids", "position_ids", "logit_positions", "kv_cache")
     assert m.functions["decode"].inputs == ("input_ids", "position_ids", "kv_cache")
     assert m.kv_cache["layout"] == "paged" and m.kv_cache["page_size"] == 16
@@ -129,5 +131,6 @@ def test_inspect_prints_the_manifest(compiled):
     result = CliRunner().invoke(cli, ["inspect", str(compiled("llama"))])
     assert result.exit_code == 0, result.output
     assert "llama" in result.output and "llvm" in result.output and "prefill, decode" in result.output
+    assert "decode_b1 (static shapes) for 1" in result.output and "static pieces (prefill_t128)" in result.output
     result = CliRunner().invoke(cli, ["inspect", str(compiled("llama")), "--json"])
     assert json.loads(result.output)["schema_version"] == 1

@@ -84,13 +84,14 @@ def test_invalid_dispatch(artifact_copy, value):
         Engine.load(artifact_copy)
 
 
-@pytest.mark.parametrize("value", [[0], "1", [1.5], [True]])
-def test_invalid_static_decode(artifact_copy, value):
+@pytest.mark.parametrize("field", ["static_decode", "static_prefill"])
+@pytest.mark.parametrize("value", [[0], "1", [1.5], [True], [4, 4]])
+def test_invalid_static_buckets(artifact_copy, field, value):
     path = artifact_copy / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["dispatch"]["static_decode"] = value
+    manifest["dispatch"][field] = value
     path.write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="static_decode must be a list of positive integers"):
+    with pytest.raises(ArtifactError, match=f"{field} must be a list of distinct positive integers"):
         Engine.load(artifact_copy)
 
 
@@ -100,6 +101,15 @@ def test_static_decode_bucket_missing(artifact_copy):
     manifest["dispatch"]["static_decode"] = [1, 3]  # the library has decode_b1 only
     path.write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="lacks the function.s. decode_b3"):
+        Engine.load(artifact_copy)
+
+
+def test_static_prefill_bucket_missing(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["dispatch"]["static_prefill"] = [7]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="lacks the function.s. prefill_t7"):
         Engine.load(artifact_copy)
 
 

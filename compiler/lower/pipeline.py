@@ -11,6 +11,7 @@ import tvm
 from tvm import relax
 from tvm.relax import transform as T
 
+from .noalias import mark_noalias
 from .schedule_rules import default_rules
 
 
@@ -64,6 +65,7 @@ def relax_pipeline(target: tvm.target.Target, database=None) -> tvm.transform.Pa
             T.ComputePrimValue(),
             T.VMShapeLower(),
             T.AttachGlobalSymbol(),
+            mark_noalias,  # after every kernel exists (the KV cache's included)
         ]
         return passes
 

@@ -57,34 +57,49 @@ def compact_database(folder: Path, floors: dict[int, float] | None = None) -> in
     ``kiln compile`` applies; the rest only grows the committed files), and none for a kernel
     whose ``floors[structural hash]`` (its default schedule's seconds) it does not beat.
     Returns how many records remain."""
-    import tempfile
-
-    import tvm_ffi
-    from tvm.s_tir import meta_schedule as ms
-
-    folder = Path(folder)
-    database = open_database(folder)
-    if database is None:
+    if open_database(folder) is None:
         return 0
-    best: dict[int, ms.database.TuningRecord] = {}
-    for record in database.get_all_tuning_records():
+    best = {key: r for key, r in kernel_records(folder).items()
+            if mean_seconds(r.run_secs) < (floors or {}).get(key, float("inf"))}
+    write_records(folder, best.values())
+    return len(best)
+
+
+def kernel_records(folder: Path) -> dict:
+    """{kernel's structural hash: its fastest measured record} of ``folder``'s database
+    ({} when it has none)."""
+    import tvm_ffi
+
+    database = open_database(folder)
+    best = {}
+    for record in database.get_all_tuning_records() if database is not None else ():
         if not record.run_secs:
             continue
         key = tvm_ffi.structural_hash(record.workload.mod)
-        seconds = mean_seconds(record.run_secs)
-        if key not in best or seconds < mean_seconds(best[key].run_secs):
+        if key not in best or mean_seconds(record.run_secs) < mean_seconds(best[key].run_secs):
             best[key] = record
-    best = {key: r for key, r in best.items() if mean_seconds(r.run_secs) < (floors or {}).get(key, float("inf"))}
+    return best
+
+
+def write_records(folder: Path, records) -> None:
+    """Make ``folder``'s database hold exactly ``records`` (none: an empty database, which
+    ``kiln compile`` applies as the default rules). Written aside and moved in, so a crash
+    leaves the old files whole."""
+    import tempfile
+
+    from tvm.s_tir import meta_schedule as ms
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        compact = open_database(Path(tmp), create=True)
-        for record in best.values():
-            workload = compact.commit_workload(record.workload.mod)
-            compact.commit_tuning_record(ms.database.TuningRecord(
+        out = open_database(Path(tmp), create=True)
+        for record in records:
+            workload = out.commit_workload(record.workload.mod)
+            out.commit_tuning_record(ms.database.TuningRecord(
                 record.trace, workload, record.run_secs, record.target, record.args_info))
-        del compact
+        del out
         for name in (WORKLOADS, RECORDS):
             os.replace(Path(tmp) / name, folder / name)
-    return len(best)
 
 
 def mean_seconds(run_secs) -> float:

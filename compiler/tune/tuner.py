@@ -6,7 +6,8 @@ those of the static buckets (``lower/buckets.py``, ``decode_b1``). Dynamic kerne
 default rules: MetaSchedule cannot tune them. After searching, each task's default-rule
 schedule is measured the same way, and the database keeps a kernel's best record only
 where it beat that: elsewhere ``kiln compile`` keeps applying the live default rules
-(a committed copy of their schedule would pin today's version of them).
+(a committed copy of their schedule would pin today's version of them). Then the step
+gate (``gate.py``) keeps only records that make a whole static-bucket step faster.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kiln.runtime.model_config import ModelConfig
 from ..lower.buckets import with_buckets
 from ..targets import TargetSpec
 from .database import mean_seconds, open_database
+from .gate import GateOptions, GateResult
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class TuneOptions:
     target: TargetSpec
     trials: int = 64  # candidates measured per task
     out_dir: Path | None = None  # default: schedules/<target key>/
+    # Keep records only if the whole static-bucket step runs faster with them (gate.py):
+    # per-kernel wins measured alone made the step slower.
+    gate: bool = True
+    gate_options: GateOptions = GateOptions()
 
     def __post_init__(self):
         if not isinstance(self.trials, int) or self.trials < 0:
@@ -48,7 +54,7 @@ class TaskResult:
 
     @property
     def tuned(self) -> bool:
-        """The database keeps this kernel's record: it beat the default schedule."""
+        """Its record beat the default schedule (and is kept unless the step gate drops it)."""
         return self.best_us is not None and (self.default_us is None or self.best_us < self.default_us)
 
 
@@ -62,7 +68,7 @@ def fused_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelC
     from ..lower.build import relax_module
     from ..lower.pipeline import fusion_passes
 
-    functions, static_dims = with_buckets(graphs, target)
+    functions, static_dims = with_buckets(graphs, target, config.context_length)
     mod, _ = relax_module(functions, target, config, static_dims)
     with target.tvm_target():
         return tvm.transform.Sequential(fusion_passes())(mod)
@@ -187,20 +193,42 @@ def _us(value: float | None) -> str:
     return "      -" if value is None else f"{value:7.1f} us"
 
 
-def tune_model(model: str | Path, quants, options: TuneOptions, log: Log = lambda _: None) -> list[TaskResult]:
+@dataclass(frozen=True)
+class TuneReport:
+    tasks: tuple[TaskResult, ...]
+    gates: dict[str, GateResult] | None  # by weight scheme; None: the gate was skipped
+    records: int  # records the database holds at the end
+    database: Path
+
+
+def tune_model(model: str | Path, quants, options: TuneOptions, log: Log = lambda _: None) -> TuneReport:
     """Tune the static kernels of ``model`` compiled with each of ``quants`` (QuantConfigs)
-    into ``options.out_dir`` (default: the target's folder under ``schedules/``)."""
+    into ``options.out_dir`` (default: the target's folder under ``schedules/``), then gate
+    the records on the step time of each scheme's artifact (unless ``options.gate`` is off)."""
     from ..compile import CompileOptions, prepare_graphs
     from .database import compact_database, database_dir
+    from .gate import ArtifactTimer, gate_database, write_evidence
 
     out_dir = Path(options.out_dir) if options.out_dir else database_dir(options.target)
-    results = []
+    results, floors, gates = [], {}, {}
     for quant in quants:
         log(f"== {quant.scheme.name}")
-        source, graphs = prepare_graphs(model, CompileOptions(options.target, quant=quant), log)
-        results += tune_graphs(dict(graphs.items()), source.config, options, out_dir, log)
-    # A kernel whose default schedule measured faster gets no record: compile keeps the rules.
-    floors = {r.key: (r.default_us or float("inf")) * 1e-6 for r in results}
-    kept = compact_database(out_dir, floors)
-    log(f"database: {out_dir} ({kept} kernels with a record faster than the default schedule)")
-    return results
+        compile_options = CompileOptions(options.target, quant=quant)
+        source, graphs = prepare_graphs(model, compile_options, log)
+        tasks = tune_graphs(dict(graphs.items()), source.config, options, out_dir, log)
+        results += tasks
+        # A kernel whose default schedule measured faster gets no record: compile keeps the rules.
+        floors.update({r.key: (r.default_us or float("inf")) * 1e-6 for r in tasks})
+        kept = compact_database(out_dir, floors)
+        log(f"database: {out_dir} ({kept} kernels with a record faster than the default schedule)")
+        if options.gate:
+            # Gated per scheme while its graphs are at hand. A kernel two schemes share is
+            # decided by the later scheme's gate (its search may re-add a dropped record).
+            with ArtifactTimer(source, graphs, compile_options, out_dir, options.gate_options, log) as timer:
+                gates[quant.scheme.name] = gate_database(out_dir, tasks, timer, options.gate_options, log)
+            log(gates[quant.scheme.name].summary())
+        del source, graphs
+    database = open_database(out_dir)
+    records = len(database.get_all_tuning_records()) if database is not None else 0
+    write_evidence(out_dir, gates if options.gate else None, options.gate_options, records)
+    return TuneReport(tuple(results), gates if options.gate else None, records, out_dir)
