@@ -2,8 +2,9 @@
 for the default model at fp32) holds records only for static kernels the default model
 has as Kiln lowers it today: a change to lowering that renames or reshapes a tuned kernel
 leaves its record unused, and this says to re-run ``make tune``. Tests never tune;
-numerics of the tuned kernels are checked by test_smollm2 (its artifact is compiled with
-this database, and its one-sequence decode steps run the tuned decode_b1)."""
+numerics of the tuned kernels are checked here (the static buckets against the dynamic
+functions) and by test_smollm2 (its artifact is compiled with this database, and its
+one-sequence decode steps run the tuned decode_b1)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,31 @@ def test_committed_records_match_the_default_models_kernels():
     assert not stale, f"{len(stale)} of {len(records)} records match no kernel of the default model (re-run `make tune`)"
     for record in records:
         assert record.run_secs and all(0 < float(s) < 1 for s in record.run_secs)
+
+
+def test_tuned_buckets_compute_what_the_dynamic_functions_do(smollm2_artifact):
+    """The default model compiled with the committed database (when there is one): its
+    static buckets, whose kernels the records schedule, give the logits of the dynamic
+    ``prefill`` and ``decode`` on fresh random tokens."""
+    import numpy as np
+
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.executor import CacheConfig, Chunk
+
+    ex = Engine.load(smollm2_artifact, background=False)._executor
+    buckets = ex.manifest.dispatch
+    assert buckets.static_decode == (1,) and buckets.static_prefill == (128,)
+    rng = np.random.default_rng()
+    vocab = ex.manifest.model.vocab_size
+    prompt = tuple(rng.integers(0, vocab, 128).tolist())
+    step = int(rng.integers(0, vocab))
+    logits = {}
+    for route in ("static", "dynamic"):
+        cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=256, prefill_chunk_size=128,
+                                            page_size=ex.page_size))
+        cache.add(0)
+        first = ex.forward(cache, [Chunk(0, prompt, 0)], via="prefill_t128" if route == "static" else "prefill")
+        second = ex.forward(cache, [Chunk(0, (step,), 128)], via="decode_b1" if route == "static" else "decode")
+        logits[route] = (first, second)
+    for got, want in zip(logits["static"], logits["dynamic"]):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)

@@ -73,15 +73,17 @@ L1_BYTES = 32 * 1024  # per-core L1 data cache of the CPUs measured (Zen 4)
 
 
 class CPUMatmulNT(dl.ScheduleRule):
-    def __init__(self, gemm_nt: int = 8, gemv_nt: int = 4, vec: int | None = None,
+    def __init__(self, gemm_nt: int = 8, gemv_nt: int = 4, float_gemv_nt: int = 8, vec: int | None = None,
                  static_mt: int = 4, static_nt: int = 4):
-        # Measured on Zen 4: 8 rows per tile reach ~100 GFLOP/s on prefill GEMMs; for
-        # decode GEMVs streaming weights from DRAM 4 concurrent rows stream faster
-        # (~20 vs ~14 GB/s: fewer streams for the prefetchers to track).
+        # Measured on Zen 4: 8 rows per tile reach ~100 GFLOP/s on prefill GEMMs. Decode
+        # GEMVs (SmolLM2-135M, python -m kiln.bench.dispatch, alternating artifacts):
+        # float32 weights stream faster 8 rows at a time (decode_b1 20.8-22.8 vs 21.8-24.1
+        # ms, B=4 27.4-27.5 vs 29.3-29.4 ms); weights dequantized in the loop (int8) 4 rows
+        # at a time (decode_b1 11.4 vs 13.6 ms, B=4 19.3 vs 24.5 ms).
         # A static row count (a prefill bucket) divisible by static_mt tiles rows too:
         # static_mt x static_nt accumulators take static_mt + static_nt loads per
         # static_mt * static_nt FMAs (4 x 4: 8 per 16; one row of 8: 9 per 8).
-        self.gemm_nt, self.gemv_nt, self.vec = gemm_nt, gemv_nt, vec
+        self.gemm_nt, self.gemv_nt, self.float_gemv_nt, self.vec = gemm_nt, gemv_nt, float_gemv_nt, vec
         self.static_mt, self.static_nt = static_mt, static_nt
 
     def apply(self, func, target, tunable):
@@ -116,7 +118,9 @@ class CPUMatmulNT(dl.ScheduleRule):
             None not in m_sizes and math.prod(m_sizes) <= GEMV_MAX_ROWS)
         # A staged weight (the lowering's choice for prefill) marks a GEMM whatever the shapes say.
         gemv = gemv and not dequantize
-        nt = self.gemv_nt if gemv else self.gemm_nt
+        reads = sch.get(main.block_rv).reads
+        float_weight = len(reads) == 2 and all(r.source.dtype == "float32" for r in reads)
+        nt = (self.float_gemv_nt if float_weight else self.gemv_nt) if gemv else self.gemm_nt
         m_rows = math.prod(m_sizes) if None not in m_sizes else None
         mt = 1
         if (not gemv and m_rows is not None and m_rows % self.static_mt == 0
