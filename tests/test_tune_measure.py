@@ -5,8 +5,6 @@ schedule computes what numpy does."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import tvm
@@ -15,6 +13,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from kiln.compiler.lower.pipeline import fusion_passes, relax_pipeline
 from kiln.compiler.targets import parse_target
+from kiln.compiler.tune.database import FAILED_SECONDS, measured
 from kiln.compiler.tune.measure import MeasureWorker, WorkerBuilder, WorkerRunner
 from kiln.compiler.tune.tuner import search, tune_context
 
@@ -107,9 +106,12 @@ def test_search_commits_measured_records_that_compute_the_kernel(task, target, w
     database = ms.database.MemoryDatabase()
     search([tune_context(task, target, "matmul")], [1.0], 8, builder, runner, database, str(tmp_path))
     records = database.get_all_tuning_records()  # fewer than 8 when candidates repeat
-    measured = [r for r in records if r.run_secs is not None]
-    assert measured and all(0 < float(s) < 1 for r in measured for s in r.run_secs)
-    assert all(math.isfinite(float(s)) for r in measured for s in r.run_secs)
+    # A candidate that failed (a build timeout on a loaded machine) carries MetaSchedule's
+    # failure mark, never a time that could win; the others carry real seconds.
+    ran = [r.run_secs for r in records if measured(r.run_secs)]
+    failed = [r.run_secs for r in records if not measured(r.run_secs)]
+    assert ran and all(0 < float(s) < 1 for run_secs in ran for s in run_secs)
+    assert all(float(s) >= FAILED_SECONDS for run_secs in failed for s in run_secs)
     # The best record, applied by Kiln's pipeline, computes x @ w.T.
     module = matmul_module(M, K, N)
     ex = tvm.compile(module, target=target, relax_pipeline=relax_pipeline(target, database))
@@ -120,13 +122,14 @@ def test_search_commits_measured_records_that_compute_the_kernel(task, target, w
 
 
 def _database_with_records(folder, task, target, times) -> None:
-    """A JSON database in ``folder`` with a record per time for the task, and one never measured."""
+    """A JSON database in ``folder`` with a record per time for the task, one never
+    measured and one that failed (MetaSchedule's mark, faster-looking to nothing)."""
     from kiln.compiler.tune.database import open_database
 
     database = open_database(folder, create=True)
     workload = database.commit_workload(task)
     args_info = ms.arg_info.ArgInfo.from_prim_func(task["main"])
-    for seconds in [*times, None]:
+    for seconds in [*times, None, 1e10]:
         run_secs = None if seconds is None else [float(seconds)]
         trace = tvm.s_tir.Schedule(task).trace
         database.commit_tuning_record(ms.database.TuningRecord(trace, workload, run_secs, target, args_info))
@@ -147,3 +150,6 @@ def test_compaction_keeps_the_fastest_record_that_beats_the_default(task, target
     _database_with_records(tmp_path / "b", task, target, times)
     assert compact_database(tmp_path / "b", floors={key: float(times.min()) * 0.5}) == 0
     assert len(open_database(tmp_path / "b").get_all_tuning_records()) == 0
+    # A kernel none of whose candidates ran keeps the rules even without a floor.
+    _database_with_records(tmp_path / "c", task, target, [])
+    assert compact_database(tmp_path / "c") == 0

@@ -67,13 +67,13 @@ def compact_database(folder: Path, floors: dict[int, float] | None = None) -> in
 
 def kernel_records(folder: Path) -> dict:
     """{kernel's structural hash: its fastest measured record} of ``folder``'s database
-    ({} when it has none)."""
+    ({} when it has none). A kernel none of whose candidates ran has no entry."""
     import tvm_ffi
 
     database = open_database(folder)
     best = {}
     for record in database.get_all_tuning_records() if database is not None else ():
-        if not record.run_secs:
+        if not measured(record.run_secs):
             continue
         key = tvm_ffi.structural_hash(record.workload.mod)
         if key not in best or mean_seconds(record.run_secs) < mean_seconds(best[key].run_secs):
@@ -100,6 +100,15 @@ def write_records(folder: Path, records) -> None:
         del out
         for name in (WORKLOADS, RECORDS):
             os.replace(Path(tmp) / name, folder / name)
+
+
+# MetaSchedule commits a candidate that failed to build or run with run_secs [1e10].
+FAILED_SECONDS = 1e9
+
+
+def measured(run_secs) -> bool:
+    """Whether a record's run_secs are a measurement (not absent, not the failure mark)."""
+    return bool(run_secs) and all(float(s) < FAILED_SECONDS for s in run_secs)
 
 
 def mean_seconds(run_secs) -> float:

@@ -22,7 +22,7 @@ from kiln.runtime.model_config import ModelConfig
 
 from ..lower.buckets import with_buckets
 from ..targets import TargetSpec
-from .database import mean_seconds, open_database
+from .database import mean_seconds, measured, open_database
 from .gate import GateOptions, GateResult
 
 
@@ -124,7 +124,7 @@ def _best_us(database, task, tvm_target) -> float | None:
     if not database.has_workload(mod):
         return None
     records = database.get_top_k(database.commit_workload(mod), 1)
-    if not records or not records[0].run_secs:
+    if not records or not measured(records[0].run_secs):  # none ran
         return None
     return mean_seconds(records[0].run_secs) * 1e6
 
