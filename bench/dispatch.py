@@ -23,48 +23,27 @@ import numpy as np
 
 def measure(ex, batch: int, context: int, steps: int, rng) -> dict[str, float]:
     """Median seconds per decode step of ``batch`` sequences, by route."""
-    import time
+    from .steps import DecodeSequences
 
-    from kiln.runtime.executor import CacheConfig, Chunk
-
-    cache = ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=batch * (context + 2 * steps + 16),
-                                        prefill_chunk_size=context, page_size=ex.page_size))
-    vocab = ex.manifest.model.vocab_size
-    for s in range(batch):
-        cache.add(s)
-        ex.forward(cache, [Chunk(s, tuple(rng.integers(0, vocab, context).tolist()), 0)])
-    bucket = ex.manifest.dispatch.static_function(batch)
-    times: dict[str, list[float]] = {route: [] for route in ("decode", bucket, "prefill") if route}
-    position = context
+    routes = [r for r in ("decode", ex.manifest.dispatch.static_function(batch), "prefill") if r]
+    seqs = DecodeSequences(ex, batch, context, (steps + 1) * len(routes), rng)
+    times: dict[str, list[float]] = {route: [] for route in routes}
     for _ in range(steps + 1):  # the first step of each route warms up and is dropped
-        for via in times:
-            chunks = [Chunk(s, (int(rng.integers(0, vocab)),), position) for s in range(batch)]
-            start = time.perf_counter()
-            ex.forward(cache, chunks, via=via)
-            times[via].append(time.perf_counter() - start)
-            position += 1
+        for via in routes:
+            times[via].append(seqs.step(via))
     return {via: float(np.median(t[1:])) for via, t in times.items()}
 
 
 def measure_prefill(ex, tokens: int, repeats: int, rng) -> dict[str, float]:
     """Median seconds of a prefill of one ``tokens``-token prompt, by route: "prefill"
     (the dynamic function alone) and "plan" (what ``forward`` runs unforced)."""
-    import time
+    from .steps import PrefillPrompt
 
-    from kiln.runtime.executor import CacheConfig, Chunk
-
-    cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=tokens + 16, prefill_chunk_size=tokens,
-                                        page_size=ex.page_size))
-    vocab = ex.manifest.model.vocab_size
+    prompt = PrefillPrompt(ex, tokens, rng)
     times: dict[str, list[float]] = {"prefill": [], "plan": []}
     for _ in range(repeats + 1):  # the first call of each route warms up and is dropped
         for route in times:
-            cache.add(0)
-            chunk = Chunk(0, tuple(rng.integers(0, vocab, tokens).tolist()), 0)
-            start = time.perf_counter()
-            ex.forward(cache, [chunk], via="prefill" if route == "prefill" else None)
-            times[route].append(time.perf_counter() - start)
-            cache.remove(0)
+            times[route].append(prompt.step("prefill" if route == "prefill" else None))
     return {route: float(np.median(t[1:])) for route, t in times.items()}
 
 

@@ -24,7 +24,8 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
 @click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="write each compiler phase's ONNX graphs here")
 @click.option("--quant", type=click.Choice(list(SCHEMES)), default="fp32", show_default=True,
-              help="weight storage: int8 per output channel, int4 per block of 32/64/128, or fp16")
+              help="weight storage: int8 per block of 32, int4 (asymmetric) per block of 32/64/128 "
+                   "with int8 embedding / LM head, or fp16")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
               help="also quantize the token embedding table")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,

@@ -13,12 +13,12 @@ from .targets import TargetSpec
 # dequantize every weight again for each sequence; ``prefill``'s GEMMs dequantize one tile
 # of rows once for all of them. Measured with ``python -m kiln.bench.dispatch ARTIFACT``
 # (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s):
-#   int8  B=4 168 vs 155, B=6 164 vs 187, B=16 204 vs 282
-#   int4  B=1 70 vs 54,   B=2 84 vs 93,   B=8 94 vs 208
+#   int8  B=2 103 vs 97,  B=4 137 vs 155, B=8 162 vs 210   (blocks of 32, float16 scales)
+#   int4  B=1 98 vs 82,   B=2 119 vs 122, B=8 158 vs 270   (asymmetric blocks of 32)
 #   fp16  B=8 168 vs 165, B=16 208 vs 221 (a float16 weight costs one conversion)
 # float32 weights have nothing to dequantize: the two routes are equal within noise up to
 # B=16, and ``decode`` keeps them all.
-_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 1}
+_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 2, "int4": 1}
 
 
 def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int) -> Dispatch:

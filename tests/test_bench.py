@@ -76,3 +76,48 @@ def test_cli_rejects_bad_batches_and_missing_artifacts(tmp_path):
     assert result.exit_code == 2 and "comma-separated integers" in result.output
     result = CliRunner().invoke(cli, ["bench", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_ort_fast_int4_form_keeps_codes_and_scales_with_integer_zero_points(checkpoint):
+    """The benchmark's onnxruntime int4 variant: each minimum chain becomes one
+    DequantizeLinear with zero point round(-minimum / scale) feeding the MatMul (the form
+    onnxruntime fuses); it runs, and stays close to the exact graph."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from kiln.bench.ort_zero_point import integer_zero_points
+    from kiln.compiler.export.onnx_export import export_graphs
+    from kiln.compiler.models.source import resolve_model
+    from kiln.compiler.passes.quantize_weights import quantize_weights
+    from kiln.runtime.quantization import parse_quant
+
+    quant = parse_quant("int4-g32", embedding=False, lm_head=False)
+    exact = quantize_weights(quant)(export_graphs(resolve_model(checkpoint("llama")).build_module()).prefill)
+    exact_bytes = ir.to_proto(exact).SerializeToString()
+    codes = {n.inputs[0].name: n.inputs[0].const_value.numpy() for n in exact.graph if n.op_type == "DequantizeLinear"}
+    fast = integer_zero_points(ir.from_proto(ir.to_proto(exact)))
+    dqs = [n for n in fast.graph if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 14 and not [n for n in fast.graph if n.op_type == "Add" and "minimum" in n.inputs[1].name]
+    assert not [n for n in fast.graph.initializers if n.endswith((".minimum", "_shape"))]
+    for dq in dqs:
+        (user, idx), = dq.outputs[0].uses()
+        assert user.op_type == "MatMul" and idx == 1
+        q, scale, zp = (v.const_value.numpy() for v in dq.inputs)
+        assert dq.inputs[2].dtype == ir.DataType.UINT4
+        minimum = exact.graph.initializers[dq.inputs[0].name.replace(".qweight", ".minimum")].const_value.numpy()
+        np.testing.assert_array_equal(zp, np.clip(np.rint(-minimum[:, 0, :] / scale), 0, 15))
+        np.testing.assert_array_equal(q, codes[dq.inputs[0].name])
+
+    def run(model, level):
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = level
+        src = model if isinstance(model, bytes) else ir.to_proto(model).SerializeToString()
+        sess = ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, 300, (2, 7), dtype=np.int64)
+        return sess.run(["logits"], {"input_ids": ids, "position_ids": np.tile(np.arange(7), (2, 1))})[0]
+
+    want = run(exact_bytes, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    got = run(fast, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.3

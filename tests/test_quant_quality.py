@@ -3,12 +3,13 @@ teacher-forced perplexity on a fixed text shipped with the tests, and top-1 agre
 the float32 artifact, position by position.
 
 The issue's targets (TARGETS): int8 perplexity within 1% of float32 and agreement >= 97%;
-int4-g32 within 6% and >= 90%. Round-to-nearest weight-only quantization does not reach all
-of them on this model (measured: int8 +0.55% / 96.0%, int4-g32 +36% / 61.9%; the float32
-weights are themselves a dequantized Q4_1 GGUF, and on a 135M model every projection class
-quantized to int4 alone already costs 2-8% agreement; a torch fake-quant simulation gives
-the same figures, so it is the method, not the lowering). The test gates on GATES, a little
-below what the method reaches, so a regression fails, and warns when a target is missed."""
+int4-g32 within 6% and >= 90%. Measured (perplexity change / agreement over 525 tokens):
+int8 -0.01% / 97.7%, int4-g32 +0.00% / 100%, int4-g128 (no target) +61% / 66.7%. The
+model's float32 weights are a dequantized GGUF (Q4_1 projections, Q8_0 token table),
+which Kiln's asymmetric int4 blocks and int8 tables reproduce; the earlier symmetric int4
+scheme measured +36% / 62% and per-channel int8 +0.55% / 96.0%. The test gates on GATES,
+a little below what is measured, so a regression fails, and warns when a target is missed. int4-g128 re-quantizes 32-wide 4-bit blocks into 128-wide ones: on a 135M
+model that loses a third of the top-1 tokens, which is why g32 is the int4 to use here."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kiln.runtime.quality import perplexity, teacher_forced_logits, top1_agreeme
 TEXT = (Path(__file__).parent / "data" / "quality_text.txt").read_text()
 
 TARGETS = {"int8": (0.01, 0.97), "int4-g32": (0.06, 0.90)}  # (max perplexity increase, min agreement)
-GATES = {"int8": (0.01, 0.95), "int4-g32": (0.40, 0.58)}
+GATES = {"int8": (0.005, 0.965), "int4-g32": (0.01, 0.98), "int4-g128": (0.70, 0.63)}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def reference(smollm2_artifact):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", list(TARGETS))
+@pytest.mark.parametrize("scheme", list(GATES))
 def test_quantized_default_model_keeps_its_quality(tmp_path, smollm2_graphs, reference, scheme):
     from kiln.compiler.compile import CompileOptions, compile_graphs
     from kiln.compiler.passes.pipeline import run_passes
@@ -53,7 +54,7 @@ def test_quantized_default_model_keeps_its_quality(tmp_path, smollm2_graphs, ref
     print(f"{scheme}: perplexity {ppl:.3f} vs {ref_ppl:.3f} float32 ({ppl / ref_ppl - 1:+.2%}), "
           f"top-1 agreement {agree:.1%} over {len(ids) - 1} tokens")
     assert len(ids) > 400
-    target_ppl, target_agree = TARGETS[scheme]
+    target_ppl, target_agree = TARGETS.get(scheme, (float("inf"), 0.0))
     if ppl > ref_ppl * (1 + target_ppl) or agree < target_agree:
         warnings.warn(f"{scheme} misses the quality target (perplexity +{target_ppl:.0%}, agreement "
                       f">= {target_agree:.0%}): {ppl / ref_ppl - 1:+.2%}, {agree:.1%}", stacklevel=1)

@@ -14,7 +14,13 @@ import pytest
 from helpers import make_checkpoint
 from kiln.compiler.export.onnx_export import export_graphs
 from kiln.compiler.models.source import resolve_model
-from kiln.compiler.passes.quantize_weights import quantize_int4_blocks, quantize_int8_rows, quantize_weights
+from kiln.compiler.passes.quantize_weights import (
+    dequantize_int8_blocks,
+    dequantize_uint4_blocks,
+    quantize_int8_blocks,
+    quantize_uint4_blocks,
+    quantize_weights,
+)
 from kiln.runtime.quantization import SCHEMES, QuantConfig, QuantScheme, parse_quant
 
 QUANTIZED = [name for name, s in SCHEMES.items() if s.kind != "float"]
@@ -25,41 +31,61 @@ F32_EPS = np.finfo(np.float32).eps
 # plain-loop references
 
 
-def ref_int8(w):
-    q = np.zeros(w.shape, np.int8)
-    scale = np.zeros(w.shape[0], np.float32)
-    for r, row in enumerate(w):
-        s = np.float32(max(abs(float(x)) for x in row)) / np.float32(127)
-        s = np.float32(1.0) if s == 0 else s
-        scale[r] = s
-        q[r] = [min(127, max(-127, round(float(np.float32(x) / s)))) for x in row]
-    return q, scale
+def _f16(x) -> np.float32:
+    return np.float32(np.float16(np.float32(x)))
 
 
-def ref_int4(w, g):
+def ref_int8(w, g):
     rows, cols = w.shape
     q = np.zeros(w.shape, np.int8)
     scale = np.zeros((rows, math.ceil(cols / g)), np.float32)
     for r in range(rows):
         for b in range(scale.shape[1]):
             block = w[r, b * g:(b + 1) * g]
-            peak = block[int(np.argmax(np.abs(block)))]
-            s = np.float32(np.float16(np.float32(peak) / np.float32(-8)))
+            s = _f16(np.float32(max(abs(float(x)) for x in block)) / np.float32(127))
             s = np.float32(1.0) if s == 0 else s
             scale[r, b] = s
-            q[r, b * g:(b + 1) * g] = [min(7, max(-8, round(float(np.float32(x) / s)))) for x in block]
+            q[r, b * g:(b + 1) * g] = [min(127, max(-127, round(float(np.float32(x) / s)))) for x in block]
     return q, scale
+
+
+def ref_uint4(w, g):
+    rows, cols = w.shape
+    q = np.zeros(w.shape, np.uint8)
+    scale = np.zeros((rows, math.ceil(cols / g)), np.float32)
+    minimum = np.zeros_like(scale)
+    for r in range(rows):
+        for b in range(scale.shape[1]):
+            block = w[r, b * g:(b + 1) * g]
+            m = _f16(min(block))
+            if m > min(block):  # rounded down
+                m = np.float32(np.nextafter(np.float16(m), np.float16(-np.inf)))
+            s = _f16((np.float32(max(block)) - m) / np.float32(15))
+            s = np.float32(1.0) if s == 0 else s
+            scale[r, b], minimum[r, b] = s, m
+            q[r, b * g:(b + 1) * g] = [min(15, max(0, round(float((np.float32(x) - m) / s)))) for x in block]
+    return q, scale, minimum
+
+
+def _expand(per_block, g, cols):
+    return np.repeat(per_block, g, axis=1)[:, :cols]
+
+
+def weight_scheme(scheme: QuantScheme, row_form: bool, quantized_kinds) -> QuantScheme:
+    """The scheme a weight gets: tables (row form) and LM heads take ``scheme.table``."""
+    return scheme.table if row_form or set(quantized_kinds) != {"linear"} else scheme
 
 
 def ref_dequantized(w, scheme: QuantScheme):
     """W [R, C] -> what the quantized graph should compute with, [R, C] float32."""
+    g = scheme.group_size
     if scheme.kind == "fp16":
         return w.astype(np.float16).astype(np.float32)
     if scheme.kind == "int8":
-        q, s = ref_int8(w)
-        return q.astype(np.float32) * s[:, None]
-    q, s = ref_int4(w, scheme.group_size)
-    return q.astype(np.float32) * np.repeat(s, scheme.group_size, axis=1)[:, :w.shape[1]]
+        q, s = ref_int8(w, g)
+        return q.astype(np.float32) * _expand(s, g, w.shape[1])
+    # The refined quantizer (tested against ref_uint4 below): the graph must store what it computes.
+    return dequantize_uint4_blocks(*quantize_uint4_blocks(w, g), g)
 
 
 # --------------------------------------------------------------------------------------
@@ -69,10 +95,11 @@ def ref_dequantized(w, scheme: QuantScheme):
 def test_scheme_registry_and_parse():
     assert list(SCHEMES) == ["fp32", "fp16", "int8", "int4-g32", "int4-g64", "int4-g128"]
     assert [s.kind for s in SCHEMES.values()] == ["float", "fp16", "int8", "int4", "int4", "int4"]
-    assert [s.group_size for s in SCHEMES.values()] == [None, None, None, 32, 64, 128]
+    assert [s.group_size for s in SCHEMES.values()] == [None, None, 32, 32, 64, 128]
+    assert [s.table.name for s in SCHEMES.values()] == ["fp32", "fp16", "int8", "int8", "int8", "int8"]
     config = parse_quant("int4-g64", lm_head=False)
     assert config == QuantConfig(SCHEMES["int4-g64"], embedding=True, lm_head=False)
-    assert config.describe() == {"scheme": "int4-g64", "kind": "int4", "group_size": 64,
+    assert config.describe() == {"scheme": "int4-g64", "kind": "int4", "group_size": 64, "tables": "int8",
                                  "embedding": True, "lm_head": False}
     with pytest.raises(ValueError, match="fp32, fp16, int8, int4-g32, int4-g64, int4-g128"):
         parse_quant("int3")
@@ -80,6 +107,10 @@ def test_scheme_registry_and_parse():
         QuantConfig(QuantScheme("int4-g16", "int4", 16))
     with pytest.raises(ValueError):
         QuantScheme("x", "int4")
+    with pytest.raises(ValueError):
+        QuantScheme("x", "int8")
+    with pytest.raises(ValueError):
+        QuantScheme("x", "fp16", 32)
     with pytest.raises(TypeError):
         QuantConfig(SCHEMES["int8"], embedding="no")
 
@@ -88,76 +119,99 @@ def test_scheme_registry_and_parse():
 # numpy quantizers
 
 
-def _weights(rng, rows, cols):
+def _weights(rng, rows, cols, g):
     w = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3.0, (rows, 1))).astype(np.float32)
     w[1] = 0.0  # an all-zero row
-    w[2] = 1e-30  # a tiny row: its int4 scale underflows float16
-    # Row 3 is exactly representable at int4 with a 0.25 step: each block's peak is
-    # +-8 steps (the sign drawn per row), the rest any of -7..8 steps (both signs).
-    k = rng.integers(-7, 9, cols)
-    k[::32] = 8
-    w[3] = rng.choice([-1, 1]) * 0.25 * k
+    w[2] = 1e-30  # a tiny row: its scales underflow float16
+    w[3] = rng.uniform(0.5, 2.0)  # a constant row: every block's range is 0
+    # Row 4 lies on a 4-bit grid: minimum + k * 0.25 per block, k in 0..15 with both ends.
+    k = rng.integers(0, 16, cols)
+    k[::g], k[1::g] = 0, 15
+    w[4] = np.repeat(rng.integers(-8, 8, math.ceil(cols / g)) * 0.5, g)[:cols] + 0.25 * k
     return w
 
 
-def test_int8_rows_match_reference_and_bound_error():
+def _partial_cols(rng, g):
+    return int(rng.integers(1, 3)) * g + int(rng.integers(2, g))  # a partial last block of >= 2
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_blocks_match_reference_and_bound_error(group):
     rng = np.random.default_rng()
-    w = _weights(rng, 9, int(rng.integers(20, 90)))
-    q, scale = quantize_int8_rows(w)
-    want_q, want_scale = ref_int8(w)
-    assert q.dtype == np.int8 and q.shape == w.shape and scale.dtype == np.float32 and scale.shape == (9,)
+    cols = _partial_cols(rng, group)
+    w = _weights(rng, 9, cols, group)
+    q, scale = quantize_int8_blocks(w, group)
+    want_q, want_scale = ref_int8(w, group)
+    nb = math.ceil(cols / group)
+    assert q.dtype == np.int8 and q.shape == w.shape and scale.dtype == np.float32 and scale.shape == (9, nb)
     np.testing.assert_array_equal(scale, want_scale)
     np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(scale.astype(np.float16).astype(np.float32), scale)  # fp16-exact
     assert q.min() >= -127
-    back = q.astype(np.float32) * scale[:, None]
-    assert np.isfinite(back).all()
-    assert (np.abs(w - back) <= scale[:, None] / 2 + 4 * F32_EPS * np.abs(w)).all()
-    assert scale[1] == 1.0 and not back[1].any()
+    s = _expand(scale, group, cols)
+    back = dequantize_int8_blocks(q, scale, group)
+    np.testing.assert_array_equal(back, q.astype(np.float32) * s)
+    # Half a step, plus the float16 rounding of the scale at the block's peak (127 steps).
+    bound = s / 2 + 127 * s * 2.0 ** -11 + 4 * F32_EPS * np.abs(w)
+    assert (np.abs(w - back) <= bound).all()
+    assert (scale[1] == 1.0).all() and not back[1].any()
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_blocks_match_reference_and_bound_error(group):
+def test_uint4_blocks_match_reference_and_bound_error(group):
     rng = np.random.default_rng()
-    cols = int(rng.integers(1, 3)) * group + int(rng.integers(1, group))  # a partial last block
-    w = _weights(rng, 7, cols)
-    q, scale = quantize_int4_blocks(w, group)
+    cols = _partial_cols(rng, group)
+    w = _weights(rng, 7, cols, group)
+    q, scale, minimum = quantize_uint4_blocks(w, group, refine_steps=0)
     nb = math.ceil(cols / group)
-    assert q.dtype == np.int8 and q.shape == w.shape and scale.dtype == np.float32 and scale.shape == (7, nb)
-    want_q, want_scale = ref_int4(w, group)
+    assert q.dtype == np.uint8 and q.shape == w.shape and q.max() <= 15
+    assert scale.shape == minimum.shape == (7, nb) and scale.dtype == minimum.dtype == np.float32
+    want_q, want_scale, want_min = ref_uint4(w, group)
     np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(minimum, want_min)
     np.testing.assert_array_equal(q, want_q)
-    assert q.min() >= -8 and q.max() <= 7
-    np.testing.assert_array_equal(scale.astype(np.float16).astype(np.float32), scale)  # fp16-exact
-    s = np.repeat(scale, group, axis=1)[:, :cols]
-    back = q.astype(np.float32) * s
-    assert np.isfinite(back).all()
-    # The peak m of each block maps to -8: back = -8 * float16(m / -8), exact up to the
-    # float16 rounding of the scale (and exact when m / -8 is float16-representable).
-    for r in range(7):
-        for b in range(nb):
-            block = w[r, b * group:(b + 1) * group]
-            i = b * group + int(np.argmax(np.abs(block)))
-            if w[r, i] == 0 or abs(w[r, i]) < 1e-7:
-                continue
-            assert q[r, i] == -8
-            assert abs(back[r, i] - w[r, i]) <= abs(w[r, i]) * 2.0 ** -11
-    np.testing.assert_array_equal(back[3], w[3])  # peaks +-2.0: scale -+0.25, exact
-    # Within half a step, except values of the peak's opposite sign beyond 7.5 steps, which
-    # clip to 7 (the range is [-8, 7]): within one step there.
-    ratio = w / s
-    bound = np.where(ratio > 7.5, np.abs(s), np.abs(s) / 2) * (1 + 2.0 ** -10) + 4 * F32_EPS * np.abs(w)
+    for x in (scale, minimum):
+        np.testing.assert_array_equal(x.astype(np.float16).astype(np.float32), x)  # fp16-exact
+    s, m = _expand(scale, group, cols), _expand(minimum, group, cols)
+    back = dequantize_uint4_blocks(q, scale, minimum, group)
+    np.testing.assert_array_equal(back, m + q.astype(np.float32) * s)
+    # Half a step, plus the float16 roundings of the minimum (which can clip values just
+    # above the true minimum) and of the scale (15 steps).
+    bound = s / 2 + (np.abs(m) + 15 * s) * 2.0 ** -11 + 8 * F32_EPS * (np.abs(w) + np.abs(m))
     assert (np.abs(w - back) <= bound).all()
-    # Zero and tiny rows: scale 1.0, q 0, finite zeros.
+    np.testing.assert_array_equal(back[4], w[4])  # on a 4-bit grid: exact
+    assert (scale > 0).all() and (m <= w).all()
+    # Zero and tiny rows: scale 1.0, zeros back; a constant row back to float16 precision.
     assert (scale[1:3] == 1.0).all() and not q[1:3].any() and not back[1:3].any()
+    np.testing.assert_allclose(back[3], w[3], rtol=2.0 ** -10, atol=0)
+
+    # Refined: per block, never a larger squared error than the start, and smaller overall
+    # on random weights; still exact on the grid row, fp16-exact, q in range.
+    def block_errors(back):
+        padded = np.zeros((7, nb * group), np.float32)
+        padded[:, :cols] = np.square(w - back)
+        return padded.reshape(7, nb, group).sum(axis=2)
+
+    q2, scale2, minimum2 = quantize_uint4_blocks(w, group)
+    back2 = dequantize_uint4_blocks(q2, scale2, minimum2, group)
+    assert q2.dtype == np.uint8 and q2.max() <= 15 and (scale2 > 0).all()
+    for x in (scale2, minimum2):
+        np.testing.assert_array_equal(x.astype(np.float16).astype(np.float32), x)
+    start, refined = block_errors(back), block_errors(back2)
+    assert (refined <= start).all()
+    assert refined.sum() < start.sum() * 0.99
+    np.testing.assert_array_equal(back2[4], w[4])
 
 
 def test_quantizers_reject_what_they_cannot_store():
     with pytest.raises(ValueError):
-        quantize_int8_rows(np.zeros(4, np.float32))
+        quantize_int8_blocks(np.zeros(4, np.float32), 32)
     with pytest.raises(ValueError):
-        quantize_int4_blocks(np.array([[np.nan, 1.0]], np.float32), 32)
+        quantize_uint4_blocks(np.array([[np.nan, 1.0]], np.float32), 32)
     with pytest.raises(ValueError):
-        quantize_int4_blocks(np.ones((2, 4), np.float32), 0)
+        quantize_uint4_blocks(np.ones((2, 4), np.float32), 0)
+    with pytest.raises(ValueError, match="float16"):
+        quantize_int8_blocks(np.array([[1e9, 1.0]], np.float32), 32)
 
 
 # --------------------------------------------------------------------------------------
@@ -195,14 +249,72 @@ def _fresh(exported, key, graph="prefill") -> ir.Model:
     return ir.from_proto(exported[key][0 if graph == "prefill" else 1])
 
 
+def _const(value: ir.Value) -> np.ndarray:
+    assert value.const_value is not None, value.name
+    return value.const_value.numpy()
+
+
+def _follow(value: ir.Value, op_type: str) -> ir.Node:
+    """The single consumer of ``value``, which must be an ``op_type`` node reading it first."""
+    (user, idx), = value.uses()
+    assert user.op_type == op_type and idx == 0, (user.op_type, idx)
+    return user
+
+
+def _dequantized(dq: ir.Node, scheme: QuantScheme, row_form: bool, name: str, rows: int, cols: int):
+    """Checks one dequantizing chain's structure; returns (its float output value, the
+    weight it computes in its form as float32)."""
+    shape = (rows, cols) if row_form else (cols, rows)
+    data = dq.inputs[0]
+    if scheme.kind == "fp16":
+        assert dq.op_type == "Cast" and data.name == f"{name}.fp16" and data.dtype == ir.DataType.FLOAT16
+        assert tuple(data.shape) == shape and dq.attributes["to"].value == ir.DataType.FLOAT
+        return dq.outputs[0], _const(data).astype(np.float32)
+    g = scheme.group_size
+    red = cols  # the reduction axis, blocked
+    nb = math.ceil(red / g)
+    assert dq.op_type == "DequantizeLinear" and len(dq.inputs) == 2  # no integer zero point
+    scale = dq.inputs[1]
+    assert data.name == f"{name}.qweight" and scale.name == f"{name}.scale" and scale.dtype == ir.DataType.FLOAT
+    assert {k: a.value for k, a in dq.attributes.items()} == {"axis": 1 if row_form else 0, "block_size": g}
+    s = _const(scale)
+    if scheme.kind == "int8":
+        assert data.dtype == ir.DataType.INT8 and tuple(data.shape) == shape
+        assert tuple(scale.shape) == ((rows, nb) if row_form else (nb, rows))
+        q = _const(data).astype(np.float32)
+        expanded = _expand(s, g, red) if row_form else _expand(s.T, g, red).T
+        return dq.outputs[0], q * expanded
+    # int4: projections only, transposed, padded to whole blocks, then the minimum chain.
+    assert not row_form and data.dtype == ir.DataType.UINT4
+    kp = nb * g
+    assert tuple(data.shape) == (kp, rows) and tuple(scale.shape) == (nb, rows)
+    q = _const(data).astype(np.float32)
+    assert not q[red:].any()  # zero padding
+    blocks = _follow(dq.outputs[0], "Reshape")
+    assert list(_const(blocks.inputs[1])) == [nb, g, rows]
+    add = _follow(blocks.outputs[0], "Add")
+    minimum = add.inputs[1]
+    assert minimum.name == f"{name}.minimum" and minimum.dtype == ir.DataType.FLOAT
+    assert tuple(minimum.shape) == (nb, 1, rows)
+    flat = _follow(add.outputs[0], "Reshape")
+    assert list(_const(flat.inputs[1])) == [kp, rows]
+    out = flat.outputs[0]
+    if kp != red:
+        sliced = _follow(out, "Slice")
+        assert [list(_const(v)) for v in sliced.inputs[1:4]] == [[0], [red], [0]]
+        out = sliced.outputs[0]
+    m = _const(minimum)[:, 0, :]
+    stored = (q.reshape(nb, g, rows) * s[:, None, :] + m[:, None, :]).reshape(kp, rows)[:red]
+    return out, stored
+
+
 def _check_structure(before: ir.Model, after: ir.Model, config: QuantConfig) -> None:
-    scheme = config.scheme
     roles = _roles(before.graph)
     assert sum("linear" in r for r in roles.values()) == 14
     assert sum("lm_head" in r for r in roles.values()) == 1 and sum("embedding" in r for r in roles.values()) == 1
     wanted = {"linear": True, "lm_head": config.lm_head, "embedding": config.embedding}
     inits = after.graph.initializers
-    dq_op = "Cast" if scheme.kind == "fp16" else "DequantizeLinear"
+    dq_op = "Cast" if config.scheme.kind == "fp16" else "DequantizeLinear"
     dqs = [n for n in after.graph if n.op_type == dq_op]
     for name, kinds in roles.items():
         w = before.graph.initializers[name].const_value.numpy()
@@ -215,41 +327,18 @@ def _check_structure(before: ir.Model, after: ir.Model, config: QuantConfig) -> 
         # The float weight is gone unless a float consumer still reads it.
         assert (name in inits) == bool(floats)
         row_form = "embedding" in kinds
-        shape = (rows, cols) if row_form else (cols, rows)
+        scheme = weight_scheme(config.scheme, row_form, quantized)
         mine = [n for n in dqs if n.inputs[0].name.startswith(f"{name}.")]
         assert len(mine) == len(quantized)
-        data = mine[0].inputs[0]
-        assert all(n.inputs[0] is data for n in mine)  # one stored copy
-        if scheme.kind == "fp16":
-            assert data.name == f"{name}.fp16" and data.dtype == ir.DataType.FLOAT16
-            assert tuple(data.shape) == shape and mine[0].attributes["to"].value == ir.DataType.FLOAT
-            stored = data.const_value.numpy().astype(np.float32)
-        else:
-            scale = mine[0].inputs[1]
-            assert len(mine[0].inputs) == 2  # symmetric: no zero point
-            assert data.name == f"{name}.qweight" and scale.name == f"{name}.scale"
-            assert tuple(data.shape) == shape and scale.dtype == ir.DataType.FLOAT
-            attrs = {k: a.value for k, a in mine[0].attributes.items()}
-            q = data.const_value.numpy().astype(np.int8)
-            s = scale.const_value.numpy()
-            if scheme.kind == "int8":
-                assert data.dtype == ir.DataType.INT8 and tuple(scale.shape) == (rows,)
-                assert attrs == {"axis": 0 if row_form else 1}
-                stored = (q * (s[:, None] if row_form else s[None, :])).astype(np.float32)
-            else:
-                g = scheme.group_size
-                nb = math.ceil(cols / g)
-                assert data.dtype == ir.DataType.INT4
-                assert tuple(scale.shape) == ((rows, nb) if row_form else (nb, rows))
-                assert attrs == {"axis": 1 if row_form else 0, "block_size": g}
-                stored = q * (np.repeat(s, g, axis=1)[:, :cols] if row_form else np.repeat(s, g, axis=0)[:cols])
+        assert all(n.inputs[0] is mine[0].inputs[0] for n in mine)  # one stored copy
         want = ref_dequantized(w, scheme)
-        np.testing.assert_array_equal(stored, want if row_form else want.T)
-        # Each DQ feeds exactly one consumer, of the form the lowering expects.
+        # Each chain feeds exactly one consumer, of the form the lowering expects.
         seen = set()
         for dq in mine:
-            out = dq.outputs[0]
-            assert tuple(out.shape) == shape and len(out.uses()) == 1 and not out.is_graph_output()
+            out, stored = _dequantized(dq, scheme, row_form, name, rows, cols)
+            np.testing.assert_array_equal(stored, want if row_form else want.T)
+            assert tuple(out.shape) == ((rows, cols) if row_form else (cols, rows))
+            assert len(out.uses()) == 1 and not out.is_graph_output()
             user, idx = out.uses()[0]
             if user.op_type == "Gather":
                 assert row_form and idx == 0 and user.attributes["axis"].value == 0
@@ -271,9 +360,10 @@ def _check_structure(before: ir.Model, after: ir.Model, config: QuantConfig) -> 
     for name, value in before.graph.initializers.items():
         if name not in roles:
             np.testing.assert_array_equal(inits[name].const_value.numpy(), value.const_value.numpy())
-    # No float copy of a weight was added (int4 scales are the only new 2-D float tensors).
-    assert not [v for v in inits.values() if v.dtype == ir.DataType.FLOAT and len(v.shape) == 2
-                and v.name not in before.graph.initializers and not v.name.endswith(".scale")]
+    # No float copy of a weight was added (scales [nb, N] and int4 minima [nb, 1, N] are
+    # the only new float tensors).
+    assert not [v for v in inits.values() if v.dtype == ir.DataType.FLOAT and len(v.shape) >= 2
+                and v.name not in before.graph.initializers and not v.name.endswith((".scale", ".minimum"))]
     assert after.opset_imports == {"": 23} and after.ir_version == 10
     onnx.checker.check_model(ir.to_proto(after), full_check=True)
 
@@ -341,9 +431,10 @@ def test_onnxruntime_runs_the_quantized_graph_as_dequantized_weights(exported, k
     assert onnx.load(str(tmp_path / "q.onnx"), load_external_data=False).ir_version == 10
 
     reference = _fresh(exported, key)
-    for weight in _roles(reference.graph):
+    for weight, kinds in _roles(reference.graph).items():
         value = reference.graph.initializers[weight]
-        value.const_value = ir.tensor(ref_dequantized(value.const_value.numpy(), config.scheme), name=weight)
+        scheme = weight_scheme(config.scheme, "embedding" in kinds, kinds)
+        value.const_value = ir.tensor(ref_dequantized(value.const_value.numpy(), scheme), name=weight)
     floats = _fresh(exported, key)
 
     feeds = _feeds(rng, 3, int(rng.integers(2, 12)))

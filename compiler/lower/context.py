@@ -28,8 +28,13 @@ class ConvertContext:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # The paged KV cache object this function takes, when it has paged attention.
     kv_cache: relax.Var | None = None
+    # Every converted value so far, by ONNX value name.
+    values: dict[str, relax.Expr] = field(default_factory=dict)
     # Weight-only quantized weights by ONNX value name (converters/quantized.py).
     quantized: dict = field(default_factory=dict)
+    # Output names of nodes an earlier converter folded: each passes its first input's
+    # value through (the int4 minimum chain, converters/quantized.py).
+    folded: set[str] = field(default_factory=set)
     # The function reads many tokens per sequence (prefill): each weight is reused by many
     # activation rows, so quantized matmuls dequantize weight tiles once, not per row.
     many_tokens: bool = False

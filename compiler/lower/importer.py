@@ -85,8 +85,7 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
             values.setdefault(name, value)
     arrays: dict[str, np.ndarray] = {}
     for storage in weight_storages(graphs.items()).values():
-        scale = values[storage.scale].const_value.numpy() if storage.scale else None
-        arrays.update(stored_arrays(storage, values[storage.data].const_value.numpy(), scale))
+        arrays.update(stored_arrays(storage, *(values[name].const_value.numpy() for name in storage.stored)))
     out = []
     for spec in params.specs:
         array = arrays[spec.name] if spec.name in arrays else values[spec.name].const_value.numpy()
@@ -127,7 +126,8 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
     param_tuple = relax.Var("params", relax.TupleType(
         [relax.TensorType(list(p.shape), p.dtype) for p in params.specs]))
     index = params.index()
-    values: dict[str, relax.Expr] = {v.name: var for v, var in zip(graph.inputs, inputs)}
+    values = ctx.values
+    values.update({v.name: var for v, var in zip(graph.inputs, inputs)})
 
     with bb.function(fname, inputs + [param_tuple], {"num_input": len(inputs)}):
         with bb.dataflow():
@@ -139,6 +139,9 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
                     ctx.constants[name] = array
                     values[name] = relax.const(array)
             for node in graph:
+                if node.outputs and node.outputs[0].name in ctx.folded:
+                    values[node.outputs[0].name] = values[node.inputs[0].name]
+                    continue
                 args = [None if v is None or v.name == "" else values[v.name] for v in node.inputs]
                 convert = lookup(node)
                 try:

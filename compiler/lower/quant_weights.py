@@ -1,20 +1,23 @@
 """How the compiled module stores weight-only quantized weights, and the TE expressions that
 read them back.
 
-The quantize pass leaves standard ONNX: ``DequantizeLinear`` (int8 per channel, int4 per
-block) or ``Cast`` (fp16) of an initializer, feeding a MatMul (directly, or through a
-Transpose) or a Gather. Kiln stores every such weight as ``[rows, cols]`` with the
-reduction / block axis ``cols`` contiguous, whatever its ONNX orientation:
+The quantize pass (``passes/quantize_weights.py``) leaves standard ONNX: a blocked
+``DequantizeLinear`` (int8; uint4 followed by the per-block minimum's
+Reshape -> Add -> Reshape [-> Slice] chain) or a ``Cast`` (fp16) of an initializer,
+feeding a MatMul (directly, or through a Transpose) or a Gather. Kiln stores every such
+weight as ``[rows, cols]`` with the reduction / block axis ``cols`` contiguous, whatever
+its ONNX orientation (nb = ceil(cols / G) blocks per row):
 
-    int8  data int8    [rows, cols]            scale float32 [rows]       w = q * s[r]
-    int4  data uint8   [rows, ceil32(cols)/2]  scale float16 [rows, nb]   w = (nibble - 8) * s[r, c // G]
-    fp16  data float16 [rows, cols]                                       w = float(data)
+    int8  data int8    [rows, cols]            scale f16 [rows, nb]   w = q * s[r, c // G]
+    int4  data uint8   [rows, ceil32(cols)/2]  scale f16 [rows, nb]   w = m[r, c // G] + nibble * s[r, c // G]
+                                               minimum f16 [rows, nb] (m = 0 without one)
+    fp16  data float16 [rows, cols]                                    w = float(data)
 
 int4 nibble layout: in each group of 32 columns, byte j holds column j in its low nibble
 and column j + 16 in its high nibble. A vector of 16 (or 8) consecutive columns then reads
 16 (8) consecutive bytes with one shift for all lanes, instead of a byte gather.
-Scales are float16-exact already (the quantize pass rounds them), so storing them as
-float16 loses nothing.
+Scales and minima are float16-exact already (the quantize pass rounds them), so storing
+them as float16 loses nothing and halves their bytes.
 
 ``transposed``: the ONNX value is ``[cols, rows]`` (a MatMul's B = W.T); the fused kernels
 read the stored ``[rows, cols]`` as an "NT" matmul and never materialize a float copy.
@@ -34,7 +37,9 @@ INT4_GROUP = 32  # columns per nibble-layout group (see above)
 @dataclass(frozen=True)
 class WeightStorage:
     """One quantized weight as stored: ``kind`` int8 | int4 | fp16; ``rows`` x ``cols``
-    logical; ``group_size`` int4 scale block; ``data`` / ``scale`` initializer names."""
+    logical; ``group_size`` the scale block; ``data`` / ``scale`` / ``minimum``
+    initializer names; ``output`` the ONNX value that is the float weight (the
+    dequantizing node's, or the end of the int4 minimum chain)."""
 
     kind: str
     rows: int
@@ -43,6 +48,13 @@ class WeightStorage:
     scale: str | None = None
     group_size: int | None = None
     transposed: bool = False
+    minimum: str | None = None
+    output: str = ""
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        """The initializers the kernels read, in their argument order."""
+        return tuple(n for n in (self.data, self.scale, self.minimum) if n is not None)
 
 
 def _axis(node: ir.Node, rank: int) -> int:
@@ -51,47 +63,89 @@ def _axis(node: ir.Node, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    return None if value is None or value.const_value is None else value.const_value.numpy()
+
+
+def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The single consumer of ``value`` when it is an ``op_type`` node reading it first."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node, idx = uses[0]
+    return node if node.op_type == op_type and node.domain in ("", "ai.onnx") and idx == 0 else None
+
+
 def storage_of(node: ir.Node) -> WeightStorage | None:
     """The storage of the weight a DequantizeLinear / Cast node dequantizes, or None when
     the node is not a weight-only dequantization of a 2-D initializer."""
     data = node.inputs[0] if node.inputs else None
     if data is None or data.const_value is None or len(data.shape or ()) != 2:
         return None
-    d0, d1 = (int(d) for d in data.shape)
-    found = _kind_of(node, data)
-    if found is None:
-        return None
-    kind, scale, group_size, transposed = found
-    rows, cols = (d1, d0) if transposed else (d0, d1)
-    return WeightStorage(kind, rows, cols, data.name, scale, group_size, transposed)
-
-
-def _kind_of(node: ir.Node, data: ir.Value) -> tuple[str, str | None, int | None, bool] | None:
-    """(kind, scale name, group size, transposed) of a weight-only dequantization, or None.
-    ``transposed``: the ONNX value is [cols, rows], the reduction axis first."""
     if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
         if data.dtype != ir.DataType.FLOAT16:
             return None
         # The pass writes a MatMul's B as W.T [K, N]; Gather / Transpose consumers read rows.
         transposed = all(c.op_type == "MatMul" and c.inputs[1] is node.outputs[0]
                          for c, _ in node.outputs[0].uses())
-        return "fp16", None, None, transposed
+        d0, d1 = (int(d) for d in data.shape)
+        rows, cols = (d1, d0) if transposed else (d0, d1)
+        return WeightStorage("fp16", rows, cols, data.name, transposed=transposed, output=node.outputs[0].name)
     if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
         return None
     scale = node.inputs[1]
     zero = node.inputs[2] if len(node.inputs) > 2 else None
     if scale is None or scale.const_value is None or zero is not None or scale.dtype != ir.DataType.FLOAT:
-        return None  # Kiln's schemes are symmetric with float32 scales
-    axis = _axis(node, 2)
+        return None  # no integer zero point: a minimum comes as the chain below
     block = node.attributes.get("block_size")
     block = int(block.value) if block is not None else 0
-    if data.dtype == ir.DataType.INT8 and block == 0 and len(scale.shape) == 1:
-        # Per-channel along ``axis``: the other axis is the reduction, stored contiguous.
-        return "int8", scale.name, None, axis == 1
-    if data.dtype == ir.DataType.INT4 and block > 0:
-        # Blocks along ``axis``: that axis is the reduction, stored contiguous.
-        return "int4", scale.name, block, axis == 0
-    return None
+    if block <= 0 or len(scale.shape) != 2:
+        return None
+    # Blocks along ``axis``: that axis is the reduction, stored contiguous.
+    transposed = _axis(node, 2) == 0
+    d0, d1 = (int(d) for d in data.shape)
+    rows, cols = (d1, d0) if transposed else (d0, d1)
+    if data.dtype == ir.DataType.INT8:
+        return WeightStorage("int8", rows, cols, data.name, scale.name, block, transposed,
+                             output=node.outputs[0].name)
+    if data.dtype != ir.DataType.UINT4:
+        return None
+    storage = WeightStorage("int4", rows, cols, data.name, scale.name, block, transposed,
+                            output=node.outputs[0].name)
+    return _with_minimum(node, storage) or storage
+
+
+def _with_minimum(node: ir.Node, storage: WeightStorage) -> WeightStorage | None:
+    """The int4 storage with its per-block minimum when the DequantizeLinear output goes
+    through the pass's chain (transposed form [Kp, N], Kp = nb * G):
+    Reshape [nb, G, N] -> Add(minimum [nb, 1, N]) -> Reshape [Kp, N] [-> Slice [0:K] on
+    axis 0]; the stored cols are then K. None when it does not."""
+    if not storage.transposed:
+        return None
+    kp, n, g = storage.cols, storage.rows, storage.group_size
+    nb = kp // g
+    blocks = _only_use(node.outputs[0], "Reshape")
+    if blocks is None or kp % g or list(_const(blocks.inputs[1]) if blocks.inputs[1] else []) != [nb, g, n]:
+        return None
+    add = _only_use(blocks.outputs[0], "Add")
+    minimum = add.inputs[1] if add is not None else None
+    m = _const(minimum)
+    if m is None or minimum.dtype != ir.DataType.FLOAT or m.shape != (nb, 1, n):
+        return None
+    flat = _only_use(add.outputs[0], "Reshape")
+    if flat is None or list(_const(flat.inputs[1]) if flat.inputs[1] else []) != [kp, n]:
+        return None
+    end, cols = flat.outputs[0], kp
+    sliced = _only_use(end, "Slice")
+    if sliced is not None:
+        starts, ends, axes = (_const(v) for v in (list(sliced.inputs[1:4]) + [None] * 3)[:3])
+        steps = _const(sliced.inputs[4]) if len(sliced.inputs) > 4 else None
+        if (starts is None or ends is None or list(starts) != [0] or len(ends) != 1
+                or (axes is not None and list(axes) not in ([0], [-2])) or (steps is not None and list(steps) != [1])
+                or not kp - g < int(ends[0]) < kp):
+            return None
+        end, cols = sliced.outputs[0], int(ends[0])
+    return WeightStorage("int4", n, cols, storage.data, storage.scale, g, True, minimum.name, end.name)
 
 
 def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -99,11 +153,13 @@ def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str
     r, c = storage.rows, storage.cols
     if storage.kind == "fp16":
         return {storage.data: ((r, c), "float16")}
-    if storage.kind == "int8":
-        return {storage.data: ((r, c), "int8"), storage.scale: ((r,), "float32")}
-    blocks = -(-c // storage.group_size)
-    return {storage.data: ((r, -(-c // INT4_GROUP) * INT4_GROUP // 2), "uint8"),
-            storage.scale: ((r, blocks), "float16")}
+    blocks = (r, -(-c // storage.group_size))
+    specs = {storage.data: ((r, c), "int8")} if storage.kind == "int8" else {
+        storage.data: ((r, -(-c // INT4_GROUP) * INT4_GROUP // 2), "uint8")}
+    specs[storage.scale] = (blocks, "float16")
+    if storage.minimum is not None:
+        specs[storage.minimum] = (blocks, "float16")
+    return specs
 
 
 def weight_storages(graphs) -> dict[str, WeightStorage]:
@@ -115,70 +171,82 @@ def weight_storages(graphs) -> dict[str, WeightStorage]:
             storage = storage_of(node) if node.op_type in ("DequantizeLinear", "Cast") else None
             if storage is None:
                 continue
-            previous = found.setdefault(storage.data, storage)
-            if previous != storage:
-                raise ValueError(f"weight {storage.data!r} is dequantized in two ways ({previous} vs {storage})")
+            key = found.setdefault(storage.data, storage)
+            if (key.kind, key.rows, key.cols, key.stored, key.group_size, key.transposed) != (
+                    storage.kind, storage.rows, storage.cols, storage.stored, storage.group_size, storage.transposed):
+                raise ValueError(f"weight {storage.data!r} is dequantized in two ways ({key} vs {storage})")
     return found
 
 
-def stored_arrays(storage: WeightStorage, data: np.ndarray, scale: np.ndarray | None) -> dict[str, np.ndarray]:
-    """ONNX initializer values -> the arrays the compiled module takes, by initializer name."""
+def stored_arrays(storage: WeightStorage, data: np.ndarray, scale: np.ndarray | None = None,
+                  minimum: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """ONNX initializer values -> the arrays the compiled module takes, by initializer name.
+    ``minimum`` as the chain's [nb, 1, N]."""
     if storage.transposed:
         data = data.T
-        if scale is not None and scale.ndim == 2:
-            scale = scale.T
+        scale = None if scale is None else scale.T
+        minimum = None if minimum is None else minimum.reshape(minimum.shape[0], -1).T
+    data = np.asarray(data)[:, :storage.cols]  # the chain's zero padding to whole blocks
     if storage.kind == "fp16":
         return {storage.data: np.ascontiguousarray(data, dtype=np.float16)}
-    if storage.kind == "int8":
-        return {storage.data: np.ascontiguousarray(data, dtype=np.int8),
-                storage.scale: np.ascontiguousarray(scale, dtype=np.float32)}
-    return {storage.data: pack_int4(np.asarray(data).astype(np.int8)),
-            storage.scale: np.ascontiguousarray(scale, dtype=np.float16)}
+    out = {storage.data: (np.ascontiguousarray(data, dtype=np.int8) if storage.kind == "int8"
+                          else pack_int4(data.astype(np.uint8))),
+           storage.scale: np.ascontiguousarray(scale, dtype=np.float16)}
+    if storage.minimum is not None:
+        out[storage.minimum] = np.ascontiguousarray(minimum, dtype=np.float16)
+    return out
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """q int8 [rows, cols] in [-8, 7] -> uint8 [rows, ceil32(cols) / 2] in the nibble layout."""
+    """q uint8 [rows, cols] in [0, 15] -> uint8 [rows, ceil32(cols) / 2] in the nibble layout
+    (padding columns hold 0)."""
     rows, cols = q.shape
     padded = -(-cols // INT4_GROUP) * INT4_GROUP
-    v = np.full((rows, padded), 8, dtype=np.uint8)  # pad with zeros (nibble 8)
-    v[:, :cols] = (q.astype(np.int16) + 8).astype(np.uint8)
+    if q.size and int(q.max()) > 15:
+        raise ValueError("pack_int4: values must lie in [0, 15]")
+    v = np.zeros((rows, padded), dtype=np.uint8)
+    v[:, :cols] = q
     v = v.reshape(rows, padded // INT4_GROUP, 2, INT4_GROUP // 2)
     return np.ascontiguousarray((v[:, :, 0, :] | (v[:, :, 1, :] << 4)).reshape(rows, padded // 2))
 
 
 def unpack_int4(packed: np.ndarray, cols: int) -> np.ndarray:
-    """The inverse of ``pack_int4`` (tests and tools)."""
+    """The inverse of ``pack_int4`` (tests and tools): uint8 [rows, cols] in [0, 15]."""
     rows = packed.shape[0]
     b = packed.reshape(rows, -1, INT4_GROUP // 2)
-    v = np.stack([b & 15, b >> 4], axis=2).reshape(rows, -1)[:, :cols]
-    return v.astype(np.int8) - 8
+    return np.stack([b & 15, b >> 4], axis=2).reshape(rows, -1)[:, :cols]
 
 
-def dequant_value(storage: WeightStorage, data: te.Tensor, scale: te.Tensor | None, r, c):
-    """The float32 weight at stored position (r, c), as a TE expression."""
+def dequant_value(storage: WeightStorage, stored, r, c):
+    """The float32 weight at stored position (r, c), as a TE expression; ``stored`` the
+    tensors of ``storage.stored`` (data [, scale [, minimum]])."""
+    data, *rest = stored
     if storage.kind == "fp16":
         return data[r, c].astype("float32")
+    block = c // storage.group_size
+    scale = rest[0][r, block].astype("float32")
     if storage.kind == "int8":
-        return data[r, c].astype("float32") * scale[r]
+        return data[r, c].astype("float32") * scale
     g = INT4_GROUP
     byte = data[r, (c // g) * (g // 2) + c % (g // 2)]
     # Shifting the uint8 then widening measured faster in the whole model than widening
     # to int32 first (fewer instructions in a hot-cache microbenchmark, though).
     nibble = tirx.bitwise_and(tirx.shift_right(byte, ((c // (g // 2)) % 2 * 4).astype("uint8")),
                               tirx.const(15, "uint8"))
-    return (nibble.astype("int32") - 8).astype("float32") * scale[r, c // storage.group_size].astype("float32")
+    w = nibble.astype("float32") * scale
+    return w + rest[1][r, block].astype("float32") if storage.minimum is not None else w
 
 
 def dequant_te(storage: WeightStorage):
     """TE: stored weight -> float32 in the ONNX orientation ([cols, rows] when transposed).
     Only used where a quantized weight has no fused consumer."""
 
-    def compute(data, scale=None):
+    def compute(*stored):
         if storage.transposed:
             return te.compute((storage.cols, storage.rows),
-                              lambda c, r: dequant_value(storage, data, scale, r, c), name="dequantize")
+                              lambda c, r: dequant_value(storage, stored, r, c), name="dequantize")
         return te.compute((storage.rows, storage.cols),
-                          lambda r, c: dequant_value(storage, data, scale, r, c), name="dequantize")
+                          lambda r, c: dequant_value(storage, stored, r, c), name="dequantize")
 
     return compute
 
@@ -195,13 +263,13 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
     one tile of rows at a time into a small buffer reused by every row of x. No float copy
     of the whole weight is allocated either way."""
 
-    def compute(x, data, scale=None):
+    def compute(x, *stored):
         if staged:
             w = te.compute((storage.rows, storage.cols),
-                           lambda r, c: dequant_value(storage, data, scale, r, c), name=DEQUANTIZE_W)
+                           lambda r, c: dequant_value(storage, stored, r, c), name=DEQUANTIZE_W)
             weight = lambda r, c: w[r, c]  # noqa: E731
         else:
-            weight = lambda r, c: dequant_value(storage, data, scale, r, c)  # noqa: E731
+            weight = lambda r, c: dequant_value(storage, stored, r, c)  # noqa: E731
         k = te.reduce_axis((0, storage.cols), name="k")
         lead = list(x.shape[:-1])
 
@@ -216,9 +284,9 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
 def take_rows_te(storage: WeightStorage):
     """TE: rows ``ids`` of the stored [rows, cols] weight, dequantized -> [*ids.shape, cols]."""
 
-    def compute(data, ids, scale=None):
+    def compute(ids, *stored):
         def body(*idx):
-            return dequant_value(storage, data, scale, ids[idx[:-1]].astype("int32"), idx[-1])
+            return dequant_value(storage, stored, ids[idx[:-1]].astype("int32"), idx[-1])
 
         return te.compute((*ids.shape, storage.cols), body, name="take")
 

@@ -8,24 +8,26 @@ The exported graphs hold every large weight as a float32 2-D initializer, consum
     embedding   Gather(E [V, H], input_ids, axis=0)
 and a tied embedding/LM head is ONE initializer used by both the Gather and the Gemm.
 
-After (DQ = DequantizeLinear, no zero point: every scheme is symmetric):
-    projection / untied LM head: MatMul(x, DQ(Wt)) on a transposed copy Wt = W.T [K, N]
-        int8   DQ(q int8 [K, N], scale f32 [N], axis=1)                   per output channel
-        int4   DQ(q INT4 [K, N], scale f32 [ceil(K/G), N], axis=0, block_size=G)
-        fp16   Cast(w16 [K, N], to=FLOAT)
-    embedding (tied or not) and a tied LM head: the ROW form of E [V, H], stored once
-        int8   DQ(q int8 [V, H], scale f32 [V], axis=0)
-        int4   DQ(q INT4 [V, H], scale f32 [V, ceil(H/G)], axis=1, block_size=G)
+After (DQ = DequantizeLinear; blocks of G consecutive input features of each output row):
+    projection: MatMul(x, B) on a transposed copy Wt = W.T [K, N], nb = ceil(K / G)
+        int8   B = DQ(q INT8 [K, N], scale f32 [nb, N], axis=0, block_size=G)     symmetric
+        int4   B = DQ(q UINT4 [Kp, N], scale [nb, N], axis=0, block_size=G)       asymmetric:
+               -> Reshape [nb, G, N] -> Add(minimum f32 [nb, 1, N]) -> Reshape [Kp, N]
+               (-> Slice [:K] when K % G, q zero-padded to Kp = nb * G rows)
+        fp16   B = Cast(w16 [K, N], to=FLOAT)
+    embedding (tied or not) and any LM head: the scheme's ``table`` (int8 for int4),
+    a tied table in the ROW form of E [V, H], stored once
+        int8   DQ(q INT8 [V, H], scale f32 [V, ceil(H/G)], axis=1, block_size=G)
         fp16   Cast(e16 [V, H], to=FLOAT)
       embedding  -> Gather(DQ_a, ids, axis=0)
       tied head  -> MatMul(x, Transpose(DQ_b, perm=[1, 0]))
 In both forms the quantization groups run along the reduction axis (K, or H) of each
 output row (N, or V), which is what the fused dequantizing kernels read contiguously.
 
-Every consumer gets its own DQ / Cast node (the lowering fuses each into its consumer).
+Every consumer gets its own DQ / Cast chain (the lowering fuses each into its consumer).
 New initializer names derive from the weight's name (``{w}.qweight``, ``{w}.scale``,
-``{w}.fp16``), so the prefill and decode graphs, which share weight names, store the same
-tensors. Weights are matched by structure (producer / consumer / initializer-ness /
+``{w}.minimum``, ``{w}.fp16``, small shape constants), so the prefill and decode graphs,
+which share weight names, store the same tensors. Weights are matched by structure (producer / consumer / initializer-ness /
 attributes), never by name; anything else (norm weights, biases, RoPE tables) is left alone.
 """
 
@@ -37,71 +39,134 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from kiln.runtime.quantization import QuantConfig
+from kiln.runtime.quantization import QuantConfig, QuantScheme
 
 INT8_MAX = 127
-INT4_MIN, INT4_MAX = -8, 7
+UINT4_MAX = 15
 
 
 # --------------------------------------------------------------------------------------
 # numpy quantizers (shared with tests and tools)
 
 
-def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8, one scale per row: w [R, C] float -> (q int8 [R, C], scale f32 [R]).
-
-    scale[r] = max|w[r, :]| / 127 (1.0 for an all-zero row), q = clip(round(w / scale),
-    -127, 127) with round half to even (as ONNX QuantizeLinear), all in float32;
-    w ~= q * scale[:, None], with |w - q * scale| <= scale / 2.
-    """
-    w = _float_matrix(w)
-    scale = (np.abs(w).max(axis=1) / np.float32(INT8_MAX)).astype(np.float32)
-    scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q, scale
-
-
-def quantize_int4_blocks(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int4 per block of ``group_size`` consecutive columns of each row:
-    w [R, C] float -> (q int8 [R, C] with values in [-8, 7], scale f32 [R, ceil(C / G)]).
-
-    For each block, m is its element of largest magnitude, signed (the first one on a tie);
-    scale = float16(m / -8) (rounded to a float16-representable value, kept as float32;
-    1.0 when that is 0: an all-zero or tiny block), q = clip(round(w / scale), -8, 7).
-    So m maps to -8 (reconstructing m up to the float16 rounding of the scale) and the
-    other elements to within scale / 2, except those of sign opposite to m and magnitude
-    above 7.5 |scale|, which clip to 7 (error up to |scale|). C need not be a multiple of
-    G: the last block is partial (as ONNX's blocked DequantizeLinear allows). The values
-    are returned as int8; ``ir.tensor(q, dtype=ir.DataType.INT4)`` packs them.
-    """
-    w = _float_matrix(w)
-    if not isinstance(group_size, (int, np.integer)) or group_size <= 0:
-        raise ValueError(f"quantize_int4_blocks: group_size must be a positive int, got {group_size!r}")
+def _blocks(w: np.ndarray, group_size: int, who: str) -> np.ndarray:
+    """w [R, C] -> [R, ceil(C / G), G], the last block padded with the row's last value
+    (which never changes a block's extremes)."""
+    if not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"{who}: group_size must be a positive int, got {group_size!r}")
     rows, cols = w.shape
     blocks = -(-cols // group_size)
-    padded = np.zeros((rows, blocks * group_size), dtype=np.float32)  # zeros never win the max
-    padded[:, :cols] = w
-    grouped = padded.reshape(rows, blocks, group_size)
-    peak = np.take_along_axis(grouped, np.abs(grouped).argmax(axis=2)[..., None], axis=2)[..., 0]
+    padded = np.pad(w, ((0, 0), (0, blocks * group_size - cols)), mode="edge")
+    return padded.reshape(rows, blocks, group_size)
+
+
+def _float16_exact(x: np.ndarray, who: str) -> np.ndarray:
     with np.errstate(over="ignore"):
-        scale = (peak / np.float32(INT4_MIN)).astype(np.float16).astype(np.float32)
-    if not np.isfinite(scale).all():
-        raise ValueError("quantize_int4_blocks: a block's scale overflows float16 (|w| > 524256)")
+        y = x.astype(np.float16).astype(np.float32)
+    if not np.isfinite(y).all():
+        raise ValueError(f"{who}: a block's scale or minimum overflows float16 (|w| > 65504)")
+    return y
+
+
+def _expand(per_block: np.ndarray, group_size: int, cols: int) -> np.ndarray:
+    """[R, nb] -> [R, C]: each block's value on each of its columns."""
+    return np.repeat(per_block.astype(np.float32), group_size, axis=1)[:, :cols]
+
+
+def quantize_int8_blocks(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per block of ``group_size`` consecutive columns of each row (GGUF's
+    Q8_0 when G = 32): w [R, C] -> (q int8 [R, C], scale f32 [R, ceil(C / G)]).
+
+    scale = float16(max|block| / 127) (float16-exact, kept as float32; 1.0 for an all-zero
+    block), q = clip(round(w / scale), -127, 127) with round half to even (as ONNX
+    QuantizeLinear); w ~= q * scale with |w - q * scale| <= scale / 2 (the float16
+    rounding of the scale may clip the peak by a hair more). C need not be a multiple of G:
+    the last block is partial, as ONNX's blocked DequantizeLinear allows.
+    """
+    w = _float_matrix(w)
+    grouped = _blocks(w, group_size, "quantize_int8_blocks")
+    scale = _float16_exact(np.abs(grouped).max(axis=2) / np.float32(INT8_MAX), "quantize_int8_blocks")
     scale[scale == 0] = 1.0
-    expanded = np.repeat(scale, group_size, axis=1)[:, :cols]
-    q = np.clip(np.rint(w / expanded), INT4_MIN, INT4_MAX).astype(np.int8)
+    q = np.clip(np.rint(w / _expand(scale, group_size, w.shape[1])), -INT8_MAX, INT8_MAX).astype(np.int8)
     return q, scale
 
 
-def dequantize_int8_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """The inverse map of ``quantize_int8_rows``: q [R, C], scale [R] -> float32 [R, C]."""
-    return q.astype(np.float32) * scale.astype(np.float32)[:, None]
+UINT4_REFINE_STEPS = 4
 
 
-def dequantize_int4_blocks(q: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
-    """The inverse map of ``quantize_int4_blocks``: q [R, C], scale [R, ceil(C/G)] -> f32 [R, C]."""
-    expanded = np.repeat(scale.astype(np.float32), group_size, axis=1)[:, :q.shape[1]]
-    return q.astype(np.float32) * expanded
+def quantize_uint4_blocks(w: np.ndarray, group_size: int,
+                          refine_steps: int = UINT4_REFINE_STEPS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric 4-bit per block of ``group_size`` consecutive columns of each row (GGUF's
+    Q4_1 when G = 32): w [R, C] -> (q uint8 [R, C] in [0, 15], scale f32 [R, nb],
+    minimum f32 [R, nb]) with nb = ceil(C / G) and w ~= minimum + q * scale.
+
+    Start (round to nearest over the block's range): minimum = min(block) rounded down to
+    float16, scale = float16((max(block) - minimum) / 15) (1.0 when 0), q = clip(round(
+    (w - minimum) / scale), 0, 15); every element within scale / 2 of its value. Unlike a
+    symmetric code, no level is wasted on the side of zero a block does not reach.
+    Then ``refine_steps`` rounds of alternating least squares, as llama.cpp's k-quants do:
+    the (minimum, scale) that best fit the current q (closed form), rounded to float16,
+    then q re-rounded; a block keeps the new values only when its squared error drops, so
+    the result is never worse than the start (RMS error -7% with G = 32, -5% with G = 128 on
+    Gaussian weights; on the default model at G = 128, perplexity +61% instead of +76% of
+    float32). A weight already on a 4-bit grid (a dequantized Q4_1 GGUF) fits exactly at
+    the start and comes back as it was.
+    """
+    w = _float_matrix(w)
+    rows, cols = w.shape
+    grouped = _blocks(w, group_size, "quantize_uint4_blocks")  # [R, nb, G]
+    valid = (np.arange(grouped.shape[1] * group_size) < cols).reshape(1, -1, group_size)
+    low = grouped.min(axis=2)
+    minimum = _float16_exact(low, "quantize_uint4_blocks")
+    # Rounded down, not to nearest: every w - minimum >= 0, so the scale is never negative
+    # (a constant block) and nothing clips at 0. A minimum already in float16 stays.
+    above = minimum > low
+    minimum[above] = np.nextafter(minimum[above].astype(np.float16), np.float16(-np.inf)).astype(np.float32)
+    scale = _float16_exact((grouped.max(axis=2) - minimum) / np.float32(UINT4_MAX), "quantize_uint4_blocks")
+    scale[scale == 0] = 1.0
+
+    def codes(scale, minimum):
+        return np.clip(np.rint((grouped - minimum[..., None]) / scale[..., None]), 0, UINT4_MAX)
+
+    def error(q, scale, minimum):  # [R, nb]: squared error over the block's real columns
+        return (np.square(grouped - minimum[..., None] - q * scale[..., None]) * valid).sum(axis=2)
+
+    q = codes(scale, minimum)
+    err = error(q, scale, minimum)
+    n = valid.sum(axis=2)
+    for _ in range(refine_steps):
+        # argmin over (m, s) of sum (w - m - q s)^2 for fixed q: a line fit per block.
+        qv = q * valid
+        sq, sqq = qv.sum(axis=2), (qv * q).sum(axis=2)
+        sw, sqw = (grouped * valid).sum(axis=2), (qv * grouped).sum(axis=2)
+        det = n * sqq - sq * sq
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            s_fit = (n * sqw - sq * sw) / det
+            m_fit = (sw - s_fit * sq) / n
+            s_new = s_fit.astype(np.float16).astype(np.float32)
+            m_new = m_fit.astype(np.float16).astype(np.float32)
+        ok = (det > 0) & np.isfinite(s_new) & np.isfinite(m_new) & (s_new > 0)
+        s_new, m_new = np.where(ok, s_new, scale), np.where(ok, m_new, minimum)
+        q_new = codes(s_new, m_new)
+        err_new = error(q_new, s_new, m_new)
+        better = ok & (err_new < err)
+        if not better.any():
+            break
+        scale, minimum, err = np.where(better, s_new, scale), np.where(better, m_new, minimum), np.where(better, err_new, err)
+        q = np.where(better[..., None], q_new, q)
+    q = q.reshape(rows, -1)[:, :cols].astype(np.uint8)
+    return q, scale.astype(np.float32), minimum.astype(np.float32)
+
+
+def dequantize_int8_blocks(q: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
+    """The inverse map of ``quantize_int8_blocks``: q [R, C], scale [R, nb] -> float32 [R, C]."""
+    return q.astype(np.float32) * _expand(scale, group_size, q.shape[1])
+
+
+def dequantize_uint4_blocks(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, group_size: int) -> np.ndarray:
+    """The inverse map of ``quantize_uint4_blocks`` -> float32 [R, C]."""
+    cols = q.shape[1]
+    return _expand(minimum, group_size, cols) + q.astype(np.float32) * _expand(scale, group_size, cols)
 
 
 def _float_matrix(w: np.ndarray) -> np.ndarray:
@@ -191,62 +256,90 @@ def _initializer(graph: ir.Graph, name: str, tensor: ir.Tensor) -> ir.Value:
     return value
 
 
-def _stored(graph: ir.Graph, weight: _Weight, config: QuantConfig) -> Callable[[str], ir.Node]:
+def _scheme(weight: _Weight, config: QuantConfig) -> QuantScheme:
+    """The embedding table and the LM head take the scheme's ``table`` (int8 for int4)."""
+    if weight.row_form or any(u.kind != "linear" for u in weight.uses):
+        return config.scheme.table
+    return config.scheme
+
+
+def _node(op: str, inputs, name: str, shape: list[int], dtype=ir.DataType.FLOAT, attrs=()) -> ir.Node:
+    node = ir.Node("", op, inputs, attributes=list(attrs), num_outputs=1, name=name)
+    node.outputs[0].name = name
+    node.outputs[0].shape, node.outputs[0].type = ir.Shape(shape), ir.TensorType(dtype)
+    return node
+
+
+def _stored(graph: ir.Graph, weight: _Weight, scheme: QuantScheme) -> Callable[[str], list[ir.Node]]:
     """Writes the weight's quantized initializers (in its form) and returns a factory of
-    dequantizing nodes, one per consumer, each yielding float32 [rows, cols] of that form."""
+    dequantizing nodes, one chain per consumer, the last yielding float32 [rows, cols] of
+    that form."""
     name = weight.value.name
     w = np.asarray(weight.value.const_value.numpy(), dtype=np.float32)
     row_form = weight.row_form
-    scheme = config.scheme
+    shape = list(w.shape) if row_form else [w.shape[1], w.shape[0]]
     if scheme.kind == "fp16":
         data = w.astype(np.float16)
         data = _initializer(graph, f"{name}.fp16", ir.tensor(np.ascontiguousarray(data if row_form else data.T)))
+        return lambda prefix: [_node("Cast", [data], f"{prefix}.cast", shape, attrs=[ir.AttrInt64("to", ir.DataType.FLOAT)])]
 
-        def make(node_name: str) -> ir.Node:
-            return ir.Node("", "Cast", [data], attributes=[ir.AttrInt64("to", ir.DataType.FLOAT)],
-                           num_outputs=1, name=node_name)
-        return make
-
+    group = scheme.group_size
+    # Blocks run along each row of W [R, C] (the reduction axis); the transposed form
+    # [C, R] (a MatMul's B) has them along axis 0.
+    attrs = [ir.AttrInt64("axis", 1 if row_form else 0), ir.AttrInt64("block_size", group)]
     if scheme.kind == "int8":
-        q, scale = quantize_int8_rows(w)  # q [R, C], scale [R]: per row of W = per output channel
-        q = q if row_form else q.T  # [K, N]: the channel is axis 1
-        attrs = [ir.AttrInt64("axis", 0 if row_form else 1)]
-        dtype = ir.DataType.INT8
-    elif scheme.kind == "int4":
-        q, scale = quantize_int4_blocks(w, scheme.group_size)  # blocks along each row's C
+        q, scale = quantize_int8_blocks(w, group)
         if not row_form:
-            q, scale = q.T, scale.T  # [K, N], [ceil(K/G), N]: blocks along axis 0
-        attrs = [ir.AttrInt64("axis", 1 if row_form else 0), ir.AttrInt64("block_size", scheme.group_size)]
-        dtype = ir.DataType.INT4
-    else:
-        raise ValueError(f"quantize_weights: no rewrite for kind {scheme.kind!r}")
-    qweight = _initializer(graph, f"{name}.qweight", ir.tensor(np.ascontiguousarray(q), dtype=dtype))
-    scales = _initializer(graph, f"{name}.scale", ir.tensor(np.ascontiguousarray(scale, dtype=np.float32)))
+            q, scale = q.T, scale.T  # [K, N], [nb, N]
+        qweight = _initializer(graph, f"{name}.qweight", ir.tensor(np.ascontiguousarray(q), dtype=ir.DataType.INT8))
+        scales = _initializer(graph, f"{name}.scale", ir.tensor(np.ascontiguousarray(scale)))
+        return lambda prefix: [_node("DequantizeLinear", [qweight, scales], f"{prefix}.dequantize", shape, attrs=attrs)]
+    if scheme.kind != "int4" or row_form:
+        raise ValueError(f"quantize_weights: no rewrite for kind {scheme.kind!r} (row form: {row_form})")
 
-    def make(node_name: str) -> ir.Node:
-        return ir.Node("", "DequantizeLinear", [qweight, scales], attributes=attrs, num_outputs=1, name=node_name)
+    # w = minimum + q * scale: ONNX's DequantizeLinear takes only integer zero points, so
+    # the float minimum is added per block after it:
+    #   DQ(q UINT4 [Kp, N], scale [nb, N], axis 0, block G) -> Reshape [nb, G, N]
+    #   -> Add(minimum [nb, 1, N]) -> Reshape [Kp, N] (-> Slice [:K] when K % G: q is
+    #   zero-padded to Kp = nb * G rows, as the reshape needs whole blocks)
+    q, scale, minimum = quantize_uint4_blocks(w, group)
+    k, n = shape
+    blocks = scale.shape[1]
+    kp = blocks * group
+    qt = np.zeros((kp, n), dtype=np.uint8)
+    qt[:k] = q.T
+    qweight = _initializer(graph, f"{name}.qweight", ir.tensor(qt, dtype=ir.DataType.UINT4))
+    scales = _initializer(graph, f"{name}.scale", ir.tensor(np.ascontiguousarray(scale.T)))
+    minima = _initializer(graph, f"{name}.minimum", ir.tensor(np.ascontiguousarray(minimum.T)[:, None, :]))
+    blocked = _initializer(graph, f"{name}.blocked_shape", ir.tensor(np.array([blocks, group, n], np.int64)))
+    flat = _initializer(graph, f"{name}.padded_shape", ir.tensor(np.array([kp, n], np.int64)))
+    if kp != k:
+        start, end, axes = (_initializer(graph, f"{name}.slice_{s}", ir.tensor(np.array([v], np.int64)))
+                            for s, v in (("start", 0), ("end", k), ("axes", 0)))
+
+    def make(prefix: str) -> list[ir.Node]:
+        nodes = [_node("DequantizeLinear", [qweight, scales], f"{prefix}.dequantize", [kp, n], attrs=attrs)]
+        nodes.append(_node("Reshape", [nodes[-1].outputs[0], blocked], f"{prefix}.blocks", [blocks, group, n]))
+        nodes.append(_node("Add", [nodes[-1].outputs[0], minima], f"{prefix}.offset", [blocks, group, n]))
+        nodes.append(_node("Reshape", [nodes[-1].outputs[0], flat], f"{prefix}.unblocked", [kp, n]))
+        if kp != k:
+            nodes.append(_node("Slice", [nodes[-1].outputs[0], start, end, axes], f"{prefix}.sliced", [k, n]))
+        return nodes
     return make
 
 
 def _rewrite(graph: ir.Graph, weight: _Weight, config: QuantConfig) -> None:
     name = weight.value.name
     rows, cols = (int(d) for d in weight.value.shape)  # W [out, in] / E [V, H]
-    make = _stored(graph, weight, config)
-    shape = [rows, cols] if weight.row_form else [cols, rows]
+    make = _stored(graph, weight, _scheme(weight, config))
     for i, use in enumerate(weight.uses):
-        dq = make(f"{name}.dequantize.{i}")
-        dq.outputs[0].name = f"{name}.dequantized.{i}"
-        dq.outputs[0].shape, dq.outputs[0].type = ir.Shape(shape), ir.TensorType(ir.DataType.FLOAT)
-        new = [dq]
-        b = dq.outputs[0]
+        new = make(f"{name}.dequantized.{i}")
+        b = new[-1].outputs[0]
         if use.kind != "embedding" and weight.row_form:
             # A MatMul reads B = W.T [in, out]; the row-form copy is [out, in].
-            t = ir.Node("", "Transpose", [b], attributes=[ir.AttrInt64s("perm", [1, 0])], num_outputs=1,
-                        name=f"{name}.transpose.{i}")
-            t.outputs[0].name = f"{name}.dequantized_t.{i}"
-            t.outputs[0].shape, t.outputs[0].type = ir.Shape([cols, rows]), ir.TensorType(ir.DataType.FLOAT)
-            new.append(t)
-            b = t.outputs[0]
+            new.append(_node("Transpose", [b], f"{name}.dequantized_t.{i}", [cols, rows],
+                             attrs=[ir.AttrInt64s("perm", [1, 0])]))
+            b = new[-1].outputs[0]
         graph.insert_before(use.node, new)
         if use.kind == "linear":
             use.node.replace_input_with(1, b)

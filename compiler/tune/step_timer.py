@@ -10,16 +10,15 @@ Reply (one JSON line on stdout): {"medians": [{bucket: seconds per step}, ...]},
 dict per artifact, over the artifacts' static buckets (the manifest's
 ``dispatch.function_names()``, which must be the same for all).
 
-A bucket's step is driven by the driver of its kind (``KINDS``, matched by name): it sets
-its sequences up in its own KV cache and times one step per call (the forward only, not
-making its tokens or resetting the cache).
+A bucket's step is driven by the driver of its kind (``KINDS``, matched by name), over
+``kiln.bench.steps``: it sets its sequences up in its own KV cache and times one step
+per call.
 """
 
 import json
 import os
 import re
 import sys
-import time
 
 os.environ["TVM_USE_RUNTIME_LIB"] = "1"
 for _name in ("torch", "onnx", "onnx_ir", "onnxruntime", "kiln.compiler"):
@@ -27,61 +26,35 @@ for _name in ("torch", "onnx", "onnx_ir", "onnxruntime", "kiln.compiler"):
 
 import numpy as np  # noqa: E402
 
+from kiln.bench.steps import DecodeSequences, PrefillPrompt  # noqa: E402
 from kiln.runtime.artifact import load_manifest  # noqa: E402
 from kiln.runtime.device import open_device  # noqa: E402
-from kiln.runtime.executor import CacheConfig, Chunk, PagedExecutor  # noqa: E402
+from kiln.runtime.executor import PagedExecutor  # noqa: E402
 
 
 class DecodeStep:
-    """``decode_b<N>``: one decode step of N sequences, each holding ~``context`` tokens
-    (the cache grows by one token per step, as in serving)."""
+    """``decode_b<N>``: one decode step of N sequences, each holding ~``context`` tokens."""
 
     PATTERN = re.compile(r"decode_b(\d+)")
 
     def __init__(self, ex: PagedExecutor, name: str, match: re.Match, context: int, steps: int, rng):
-        self.ex, self.name, self.rng = ex, name, rng
-        self.batch = int(match.group(1))
-        # The positions must stay inside the model's context (its RoPE tables end there).
-        self.position = max(1, min(context, ex.manifest.model.context_length - steps - 1))
-        self.cache = ex.create_cache(CacheConfig(
-            max_batch_size=self.batch, max_total_tokens=self.batch * (self.position + steps + ex.page_size),
-            prefill_chunk_size=self.position, page_size=ex.page_size))
-        self.vocab = ex.manifest.model.vocab_size
-        for s in range(self.batch):
-            self.cache.add(s)
-            ex.forward(self.cache, [Chunk(s, tuple(rng.integers(0, self.vocab, self.position).tolist()), 0)])
+        self.name, self.seqs = name, DecodeSequences(ex, int(match.group(1)), context, steps, rng)
 
     def step(self) -> float:
         """Seconds of one step."""
-        chunks = [Chunk(s, (int(self.rng.integers(0, self.vocab)),), self.position) for s in range(self.batch)]
-        start = time.perf_counter()
-        self.ex.forward(self.cache, chunks, via=self.name)
-        elapsed = time.perf_counter() - start
-        self.position += 1
-        return elapsed
+        return self.seqs.step(self.name)
 
 
 class PrefillStep:
-    """``prefill_t<T>``: the prefill of a fresh T-token prompt (one sequence; its tokens
-    are popped after each step, so every step starts from an empty sequence)."""
+    """``prefill_t<T>``: the prefill of a fresh T-token prompt."""
 
     PATTERN = re.compile(r"prefill_t(\d+)")
 
     def __init__(self, ex: PagedExecutor, name: str, match: re.Match, context: int, steps: int, rng):
-        self.ex, self.name, self.rng = ex, name, rng
-        self.tokens = int(match.group(1))
-        self.cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=self.tokens + ex.page_size,
-                                                 prefill_chunk_size=self.tokens, page_size=ex.page_size))
-        self.cache.add(0)
-        self.vocab = ex.manifest.model.vocab_size
+        self.name, self.prompt = name, PrefillPrompt(ex, int(match.group(1)), rng)
 
     def step(self) -> float:
-        chunk = Chunk(0, tuple(self.rng.integers(0, self.vocab, self.tokens).tolist()), 0)
-        start = time.perf_counter()
-        self.ex.forward(self.cache, [chunk], via=self.name)
-        elapsed = time.perf_counter() - start
-        self.cache.popn(0, self.tokens)
-        return elapsed
+        return self.prompt.step(self.name)
 
 
 # Each kind of static bucket: a class with PATTERN (its function names), __init__ (these

@@ -25,17 +25,29 @@ OUT_EWISE_FUSABLE = 4  # tvm relax OpPatternKind::kOutEWiseFusable
 @dataclass(frozen=True)
 class QuantizedRef:
     storage: WeightStorage
-    args: tuple[relax.Expr, ...]  # (data,) or (data, scale): params as the module stores them
+    args: tuple[relax.Expr, ...]  # storage.stored's params (data [, scale [, minimum]]), as the module stores them
 
 
 def record(ctx, node, inputs) -> relax.Expr | None:
     """If ``node`` dequantizes a weight: record it and return its materialized float
-    value (dropped later if no consumer needs it); else None."""
+    value (dropped later if no consumer needs it); else None.
+
+    An int4 weight's per-block minimum is added by a chain of ONNX nodes after the
+    DequantizeLinear (``quant_weights._with_minimum``): the chain is recorded at its end,
+    its nodes are folded (they pass this node's value through: the materialized value
+    already includes the minimum), and the kernels read the minimum directly."""
     storage = storage_of(node)
     if storage is None:
         return None
-    args = (inputs[0],) if storage.scale is None else (inputs[0], inputs[1])
-    ctx.quantized[node.outputs[0].name] = QuantizedRef(storage, args)
+    args = [inputs[0]] + ([inputs[1]] if storage.scale is not None else [])
+    if storage.minimum is not None:
+        args.append(ctx.values[storage.minimum])
+    value = node.outputs[0]
+    while value.name != storage.output:
+        (user, _), = value.uses()
+        value = user.outputs[0]
+        ctx.folded.add(value.name)
+    ctx.quantized[storage.output] = QuantizedRef(storage, tuple(args))
     return ctx.bb.emit_te(dequant_te(storage), *args, primfunc_name_hint=f"dequantize_{storage.kind}")
 
 
@@ -66,8 +78,7 @@ def fused_take(ctx, node, inputs, axis: int) -> relax.Expr | None:
     ref = ctx.quantized.get(node.inputs[0].name)
     if ref is None or ref.storage.transposed or axis != 0:
         return None
-    data, *scale = ref.args
-    return ctx.bb.emit_te(take_rows_te(ref.storage), data, inputs[1], *scale,
+    return ctx.bb.emit_te(take_rows_te(ref.storage), inputs[1], *ref.args,
                           primfunc_name_hint=f"{ref.storage.kind}_take")
 
 
@@ -75,6 +86,6 @@ def fused_take(ctx, node, inputs, axis: int) -> relax.Expr | None:
 def dequantize_linear(ctx, node, inputs):
     out = record(ctx, node, inputs)
     if out is None:
-        raise ValueError("only weight-only DequantizeLinear of a 2-D initializer (symmetric int8 per channel, "
-                         "int4 per block, float32 scales) is supported")
+        raise ValueError("only weight-only, blocked DequantizeLinear of a 2-D initializer (int8 or uint4, "
+                         "float32 scales, no zero point) is supported")
     return out

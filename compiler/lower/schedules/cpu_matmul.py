@@ -105,9 +105,10 @@ class CPUMatmulNT(dl.ScheduleRule):
             return None
         k_extent = _static(main.iters[-1].dom)
         n_extent = _static(main.iters[-2].dom)
-        shared = self._nt_batch_dims(sch, main.block_rv)
-        if k_extent is None or shared is None:
+        form = self._nt_form(sch, main.block_rv)
+        if k_extent is None or form is None:
             return None
+        shared, float_weight = form
         vec = self.vec or vector_lanes(target)
         if k_extent % vec:
             return None
@@ -118,8 +119,6 @@ class CPUMatmulNT(dl.ScheduleRule):
             None not in m_sizes and math.prod(m_sizes) <= GEMV_MAX_ROWS)
         # A staged weight (the lowering's choice for prefill) marks a GEMM whatever the shapes say.
         gemv = gemv and not dequantize
-        reads = sch.get(main.block_rv).reads
-        float_weight = len(reads) == 2 and all(r.source.dtype == "float32" for r in reads)
         nt = (self.float_gemv_nt if float_weight else self.gemv_nt) if gemv else self.gemm_nt
         m_rows = math.prod(m_sizes) if None not in m_sizes else None
         mt = 1
@@ -155,6 +154,12 @@ class CPUMatmulNT(dl.ScheduleRule):
             sch.unroll(r_mi)
         else:
             sch.reorder(*r_b, r_no, *r_m, r_ko, r_ni, r_ki)
+            if gemv and not float_weight and k_extent % (2 * vec) == 0:
+                # Two vectors of K per step, unrolled: a quantization block (>= 32 wide)
+                # spans both, so each row's scale (and minimum) is loaded, converted from
+                # float16 and broadcast once per block instead of once per vector.
+                r_ko, r_kp = sch.split(r_ko, [None, 2])
+                sch.unroll(r_kp)
         anchor = r_m[-1] if r_m else r_no
         sch.parallel(r_no)  # before the consumers move in (their lane-sum is a reduction)
         # Sum the lanes (and run the epilogue) right after each row's K loop, so the
@@ -189,13 +194,14 @@ class CPUMatmulNT(dl.ScheduleRule):
         return sch
 
     @staticmethod
-    def _nt_batch_dims(sch, block_rv) -> int | None:
-        """If the block is C[b.., m.., n] += A[b.., m.., k] * W[b.., n, k], the number of
-        leading b dims W shares with A (0 for a weight matrix); else None."""
+    def _nt_form(sch, block_rv) -> tuple[int, bool] | None:
+        """If the block is C[b.., m.., n] += A[b.., m.., k] * W[b.., n, k]: (the number of
+        leading b dims W shares with A (0 for a weight matrix), whether W is float32 read
+        as is (not dequantized / converted from stored values)); else None."""
         block = sch.get(block_rv)
         iter_vars = [iv.var for iv in block.iter_vars]
         if len(block.reads) > 2:
-            return 0 if _dequantized_nt(block.reads, iter_vars) else None
+            return (0, False) if _dequantized_nt(block.reads, iter_vars) else None
         if len(block.reads) != 2:
             return None
         a_read, w_read = block.reads
@@ -207,7 +213,7 @@ class CPUMatmulNT(dl.ScheduleRule):
             return None
         if not _same(a, iter_vars[:-2] + iter_vars[-1:]):
             return None
-        return shared
+        return shared, w_read.source.dtype == "float32"
 
 
 def _dequantized_nt(reads, iter_vars) -> bool:
