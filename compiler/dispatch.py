@@ -12,13 +12,14 @@ from .targets import TargetSpec
 # The largest decode batch ``decode`` still runs, by weight storage, on CPU. Its GEMVs
 # dequantize every weight again for each sequence; ``prefill``'s GEMMs dequantize one tile
 # of rows once for all of them. Measured with ``python -m kiln.bench.dispatch ARTIFACT``
-# (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s):
-#   int8  B=2 103 vs 97,  B=4 137 vs 155, B=8 162 vs 210   (blocks of 32, float16 scales)
-#   int4  B=1 98 vs 82,   B=2 119 vs 122, B=8 158 vs 270   (asymmetric blocks of 32)
+# (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s; weights in
+# the row-interleaved layout of lower/quant_weights.py):
+#   int8  B=2 152 vs 94,  B=4 164-174 vs 136-148, B=8 185 vs 223   (blocks of 32)
+#   int4  B=2 142 vs 100, B=4 147-150 vs 152,     B=8 173 vs 243   (asymmetric blocks of 32)
 #   fp16  B=8 168 vs 165, B=16 208 vs 221 (a float16 weight costs one conversion)
 # float32 weights have nothing to dequantize: the two routes are equal within noise up to
 # B=16, and ``decode`` keeps them all.
-_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 2, "int4": 1}
+_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 2}
 
 
 def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int) -> Dispatch:

@@ -14,6 +14,7 @@ from tvm import relax
 from kiln.compiler.lower.quant_weights import (
     DEQUANTIZE_W,
     WeightStorage,
+    deinterleave_rows,
     matmul_nt_te,
     pack_int4,
     stored_arrays,
@@ -87,15 +88,26 @@ def _run(func_te, inputs, params, target):
 KINDS = [("int8", 32), ("int8", 128), ("int4", 32), ("int4", 128), ("fp16", None)]
 
 
-@pytest.mark.parametrize("kind,group,minimum", [(k, g, True) for k, g in KINDS] + [("int4", 32, False)])
-def test_fused_dequantizing_matmul_matches_numpy(kind, group, minimum):
+@pytest.mark.parametrize("kind,group,minimum,rows", [(k, g, True, 48) for k, g in KINDS]
+                         + [("int4", 32, False, 48), ("int8", 32, True, 46), ("int4", 32, True, 46)])
+def test_fused_dequantizing_matmul_matches_numpy(kind, group, minimum, rows):
+    """48 rows: stored row-interleaved; 46 (not a multiple of 4): plain."""
     rng = np.random.default_rng()
-    rows, cols = 48, 160  # 160 = 5 int4 groups of 32; a partial 128-block
+    cols = 160  # 160 = 5 int4 groups of 32; a partial 128-block
     onnx_arrays, ref = _random_weight(rng, kind, rows, cols, group, minimum)
     storage = _storage(kind, rows, cols, group, True, minimum)
     arrays = stored_arrays(storage, *onnx_arrays)
     specs = stored_specs(storage)
     assert {k: (a.shape, str(a.dtype)) for k, a in arrays.items()} == specs
+    assert storage.tile == (4 if rows % 4 == 0 else 1)
+    # The data is the plain [rows, units] layout, interleaved: row r's chunk j of 16 units
+    # at [r // 4, j * 64 + r % 4 * 16].
+    plain = deinterleave_rows(arrays["w"], storage.tile)
+    want = {"fp16": lambda: onnx_arrays[0].T, "int8": lambda: onnx_arrays[0].T,
+            "int4": lambda: pack_int4(onnx_arrays[0].T)}[kind]()
+    np.testing.assert_array_equal(plain, want)
+    if storage.tile == 4:
+        np.testing.assert_array_equal(arrays["w"][1, 2 * 64 + 3 * 16:2 * 64 + 4 * 16], want[7, 32:48])
     target = parse_target("llvm").tvm_target()
     # [m, K]: the decode GEMV shape; [1, m, K]: a prefill GEMM (weight tiles staged).
     for shape, staged in (((1, cols), False), ((3, cols), False), ((1, 5, cols), True), ((2, cols), True)):
@@ -220,7 +232,7 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     # decode_b1 (and, forced, through the dynamic decode); all must give onnxruntime's
     # next-token logits.
     limit = m.dispatch.decode_max_batch
-    assert limit == {"int8": 2, "int4": 1, "fp16": 8}[kind]
+    assert limit == {"int8": 4, "int4": 2, "fp16": 8}[kind]
     batch, length = limit + 1, 9
     prompts = rng.integers(0, m.model.vocab_size, (batch, length + 3), dtype=np.int64)
 

@@ -217,9 +217,10 @@ class CPUMatmulNT(dl.ScheduleRule):
 
 
 def _dequantized_nt(reads, iter_vars) -> bool:
-    """C[m.., n] += A[m.., k] * f(Q[n, g(k)], S[n, h(k)], ..): a weight-only quantized NT
+    """C[m.., n] += A[m.., k] * f(Q[g(n, k)], S[n, h(k)], ..): a weight-only quantized NT
     matmul (``lower/quant_weights.py``). A is read at (m.., k); every other read is one
-    element of a weight-side buffer indexed by n, then by expressions of k alone."""
+    element of a weight-side buffer at indices that are expressions of n and k alone (the
+    row-interleaved data mixes them: [n // 4, k // 16 * 64 + n % 4 * 16 + k % 16])."""
     n, k = iter_vars[-2], iter_vars[-1]
     is_a = [_same(_indices(r), iter_vars[:-2] + [k]) for r in reads]
     if sum(is_a) != 1:
@@ -230,9 +231,7 @@ def _dequantized_nt(reads, iter_vars) -> bool:
         if not _one_element(r):
             return False
         idx = [e.min for e in r.region]
-        if not idx or not idx[0].same_as(n):
-            return False
-        if not all(v.same_as(k) for e in idx[1:] for v in tirx.analysis.undefined_vars(e)):
+        if not idx or not all(v.same_as(k) or v.same_as(n) for e in idx for v in tirx.analysis.undefined_vars(e)):
             return False
     return True
 
