@@ -258,3 +258,42 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     alone = [Chunk(0, (int(prompts[0, length + 2]),), length + 2)]
     np.testing.assert_allclose(ex.forward(cache, alone, via="decode")[0], onnxruntime_last(prompts[0]),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_tiny_quantized_weight_keeps_its_scales_as_params(scheme):
+    """A weight so small that its scale / minimum have <= 16 elements (which the importer
+    would otherwise make constants): still stored and read as the kernels expect, and the
+    compiled function computes what onnxruntime computes on the quantized graph."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from kiln.compiler.lower.importer import import_graphs, param_arrays
+    from kiln.compiler.passes.quantize_weights import quantize_weights
+    from kiln.runtime.quantization import parse_quant
+
+    rng = np.random.default_rng()
+    w = rng.standard_normal((4, 32)).astype(np.float32)  # [N=4, K=32]: one block per row
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    quantized = quantize_weights(parse_quant(scheme))(ir.serde.deserialize_model(model))
+    assert any(v.name.endswith(".scale") and v.const_value.size <= 16 for v in quantized.graph.initializers.values())
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    options = ort.SessionOptions()  # no fusion into onnxruntime's activation-quantizing kernels
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    expected = ort.InferenceSession(ir.to_proto(quantized).SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    graphs = {"main": quantized}
+    mod, params = import_graphs(graphs)
+    assert {p.name for p in params.specs} >= {"w.qweight", "w.scale"}
+    target = parse_target("llvm").tvm_target()
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target)), tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(x), [tvm.runtime.tensor(a) for a in param_arrays(graphs, params)])
+    np.testing.assert_allclose(out[0].numpy(), expected, rtol=1e-4, atol=1e-4)

@@ -66,7 +66,7 @@ def collect_params(graphs: dict[str, ir.Model]) -> ParamTable:
     specs: dict[str, ParamSpec] = {}
     for gname, model in graphs.items():
         for name, value in model.graph.initializers.items():
-            if not _is_param(value):
+            if not _is_param(value) and name not in stored:  # a quantized weight's scales stay params, however small
                 continue
             shape, dtype = stored.get(name) or (tuple(int(d) for d in value.const_value.shape.numpy()),
                                                 relax_dtype(value.const_value.dtype))
@@ -132,7 +132,7 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
     with bb.function(fname, inputs + [param_tuple], {"num_input": len(inputs)}):
         with bb.dataflow():
             for name, init in graph.initializers.items():
-                if _is_param(init):
+                if name in index:
                     values[name] = bb.emit(relax.TupleGetItem(param_tuple, index[name]), name_hint=_hint(name))
                 else:
                     array = init.const_value.numpy()
