@@ -192,7 +192,11 @@ def test_disconnect_mid_stream_frees_pages(url, engine, monkeypatch, caplog):
                           f"log {[r.getMessage() for r in caplog.records]}")
     started = time.time()
     _wait_idle(engine)
-    assert time.time() - started < 2.0  # cancelled, not run to the end
+    # Cancelled, not run to the end (>= 20 s at 0.2 s a step): the metrics below tell the
+    # two apart; the time only has to stay well under 20 s. With both cores busy (the full
+    # suite under load, as on CI) noticing the disconnect and finishing the step in flight
+    # measured up to 5.2 s, so the bound is 10 s.
+    assert time.time() - started < 10.0
     stats = engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
     _only_prefix_holders_remain(engine)
