@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.compiler.lower.quant_weights import storage_of
+from kiln.compiler.lower.quant_weights import chain_nodes, storage_of
 
 
 def integer_zero_points(model: ir.Model) -> ir.Model:
@@ -28,11 +28,8 @@ def integer_zero_points(model: ir.Model) -> ir.Model:
         storage = storage_of(node) if node.op_type == "DequantizeLinear" else None
         if storage is None or storage.minimum is None:
             continue
-        chain, value = [node], node.outputs[0]
-        while value.name != storage.output:
-            (user, _), = value.uses()
-            chain.append(user)
-            value = user.outputs[0]
+        chain = [node, *chain_nodes(node, storage)]
+        value = chain[-1].outputs[0]
         q, scale = node.inputs[0], node.inputs[1]
         if q.name not in zero_points:
             minimum = graph.initializers[storage.minimum].const_value.numpy()[:, 0, :]  # [nb, N]

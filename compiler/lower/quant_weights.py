@@ -35,7 +35,7 @@ read the stored ``[rows, cols]`` as an "NT" matmul and never materialize a float
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -61,7 +61,8 @@ class WeightStorage:
     group_size: int | None = None
     transposed: bool = False
     minimum: str | None = None
-    output: str = ""
+    # Which node's value it is, not how it is stored: two consumers of one weight differ here.
+    output: str = field(default="", compare=False)
 
     @property
     def units(self) -> int:
@@ -170,6 +171,17 @@ def _with_minimum(node: ir.Node, storage: WeightStorage) -> WeightStorage | None
     return WeightStorage("int4", n, cols, storage.data, storage.scale, g, True, minimum.name, end.name)
 
 
+def chain_nodes(node: ir.Node, storage: WeightStorage) -> list[ir.Node]:
+    """The nodes after the dequantizing ``node`` up to the one yielding ``storage.output``:
+    the int4 minimum chain ``_with_minimum`` matched, or none."""
+    nodes, value = [], node.outputs[0]
+    while value.name != storage.output:
+        (user, _), = value.uses()
+        nodes.append(user)
+        value = user.outputs[0]
+    return nodes
+
+
 def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str]]:
     """(shape, dtype) of each stored array, by initializer name (``stored_arrays`` makes them)."""
     r, c = storage.rows, storage.cols
@@ -193,10 +205,9 @@ def weight_storages(graphs) -> dict[str, WeightStorage]:
             storage = storage_of(node) if node.op_type in ("DequantizeLinear", "Cast") else None
             if storage is None:
                 continue
-            key = found.setdefault(storage.data, storage)
-            if (key.kind, key.rows, key.cols, key.stored, key.group_size, key.transposed) != (
-                    storage.kind, storage.rows, storage.cols, storage.stored, storage.group_size, storage.transposed):
-                raise ValueError(f"weight {storage.data!r} is dequantized in two ways ({key} vs {storage})")
+            previous = found.setdefault(storage.data, storage)
+            if previous != storage:
+                raise ValueError(f"weight {storage.data!r} is dequantized in two ways ({previous} vs {storage})")
     return found
 
 

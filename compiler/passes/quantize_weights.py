@@ -133,12 +133,11 @@ def quantize_uint4_blocks(w: np.ndarray, group_size: int,
 
     q = codes(scale, minimum)
     err = error(q, scale, minimum)
-    n = valid.sum(axis=2)
+    n, sw = valid.sum(axis=2), (grouped * valid).sum(axis=2)
     for _ in range(refine_steps):
         # argmin over (m, s) of sum (w - m - q s)^2 for fixed q: a line fit per block.
         qv = q * valid
-        sq, sqq = qv.sum(axis=2), (qv * q).sum(axis=2)
-        sw, sqw = (grouped * valid).sum(axis=2), (qv * grouped).sum(axis=2)
+        sq, sqq, sqw = qv.sum(axis=2), (qv * q).sum(axis=2), (qv * grouped).sum(axis=2)
         det = n * sqq - sq * sq
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             s_fit = (n * sqw - sq * sw) / det

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from tvm import relax
 
-from ..quant_weights import WeightStorage, dequant_te, matmul_nt_te, storage_of, take_rows_te
+from ..quant_weights import WeightStorage, chain_nodes, dequant_te, matmul_nt_te, storage_of, take_rows_te
 from ..registry import converter
 
 
@@ -42,11 +42,7 @@ def record(ctx, node, inputs) -> relax.Expr | None:
     args = [inputs[0]] + ([inputs[1]] if storage.scale is not None else [])
     if storage.minimum is not None:
         args.append(ctx.values[storage.minimum])
-    value = node.outputs[0]
-    while value.name != storage.output:
-        (user, _), = value.uses()
-        value = user.outputs[0]
-        ctx.folded.add(value.name)
+    ctx.folded.update(n.outputs[0].name for n in chain_nodes(node, storage))
     ctx.quantized[storage.output] = QuantizedRef(storage, tuple(args))
     return ctx.bb.emit_te(dequant_te(storage), *args, primfunc_name_hint=f"dequantize_{storage.kind}")
 
