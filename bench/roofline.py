@@ -47,10 +47,12 @@ def bytes_per_token(manifest: Manifest, context: int) -> int:
     weights = 0
     for p in manifest.params:
         nbytes = p.nbytes
-        gathered = p.name in _POSITION_TABLES or (
-            p.name.startswith("model.embed_tokens.") and not m.tie_word_embeddings and p.shape[0] == m.vocab_size)
-        if gathered:
-            nbytes //= p.shape[0]  # one row of the table (or of its scales)
+        if p.name in _POSITION_TABLES:
+            nbytes //= p.shape[0]  # one row of each table
+        elif p.name.startswith("model.embed_tokens.") and not m.tie_word_embeddings:
+            # One row of the table (or of its scales), however it is laid out: float32
+            # panels [V / 32, H, 32] hold V rows too.
+            nbytes //= m.vocab_size
         weights += nbytes
     kv_dtype = manifest.kv_cache.get("dtype", "float32")
     kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * context * _DTYPE_BYTES.get(kv_dtype, 4)

@@ -17,8 +17,9 @@ from .targets import TargetSpec
 #   int8  B=2 152 vs 94,  B=4 164-174 vs 136-148, B=8 185 vs 223   (blocks of 32)
 #   int4  B=2 142 vs 100, B=4 147-150 vs 152,     B=8 173 vs 243   (asymmetric blocks of 32)
 #   fp16  B=8 168 vs 165, B=16 208 vs 221 (a float16 weight costs one conversion)
-# float32 weights have nothing to dequantize: the two routes are equal within noise up to
-# B=16, and ``decode`` keeps them all.
+# float32 weights have nothing to dequantize, and both routes read them as panels in the
+# same padded row tiles (4 rows in decode, 8 in prefill): B=4 221 vs 200, B=16 333-372 vs
+# 248-273; ``decode`` keeps them all.
 _CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 2}
 
 

@@ -112,14 +112,29 @@ def test_manifest_describes_the_artifact(checkpoint, compiled):
     assert set(m.files) == {"model.so", "params.bin", "tokenizer.json", "tokenizer_config.json"}
     assert m.kv_cache["num_layers"] == m.model.num_layers and m.quantization == "fp32"
     assert m.dispatch.decode_max_batch is None  # float32 weights: decode runs every batch
-    # Every checkpoint weight is stored once, in float32, with its shape and name.
+    # Every checkpoint weight is stored once, in float32, under its name: vectors as they
+    # are, matrices (projections, embedding, LM head; N a multiple of 32 here) as K-major
+    # panels [N / 32, K, 32] with W[n, k] at [n // 32, k, n % 32] (lower/quant_weights.py).
     module = resolve_model(checkpoint("qwen2")).build_module()
     state = {k: v for k, v in module.state_dict().items()}
     arrays = dict(zip((p.name for p in m.params), read_params(folder, m)))
     for name, tensor in state.items():
-        np.testing.assert_array_equal(arrays[name], tensor.numpy())
+        want, got = tensor.numpy(), arrays[name]
+        if want.ndim == 2:
+            n, k = want.shape
+            assert got.shape == (n // 32, k, 32), name
+            got = got.transpose(0, 2, 1).reshape(n, k)
+        np.testing.assert_array_equal(got, want)
         assert arrays[name].dtype == np.float32
     assert len({p.name for p in m.params}) == len(m.params)
+
+
+def test_cuda_artifact_keeps_float_weights_row_major(checkpoint, compiled):
+    """Panels are the CPU kernels' layout; a CUDA artifact stores W [N, K] as it is."""
+    m = load_manifest(compiled("llama", "cuda:sm_90"))
+    state = resolve_model(checkpoint("llama")).build_module().state_dict()
+    shapes = {p.name: tuple(p.shape) for p in m.params}
+    assert all(shapes[name] == tuple(t.shape) for name, t in state.items())
 
 
 def test_inspect_prints_the_manifest(compiled):

@@ -3,6 +3,7 @@ dynamic dim: spread over cores, vectorized, and numpy's numbers."""
 
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 import tvm
@@ -89,11 +90,12 @@ def test_one_row_reduction_runs_serial_and_correct(rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("k,tiled", [(1536, True), (96, False)])
-def test_static_rows_tile_when_the_weight_tile_leaves_l1(k, tiled):
-    """A static 128-row NT matmul (a prefill bucket's projection) tiles its rows in fours
-    when a tile of weight rows no longer fits L1 (K = 1536: the down projection), and
-    keeps one row at a time where it fits; both compute x @ W.T as numpy does."""
+@pytest.mark.parametrize("m,k,packed", [(128, 1536, True), (128, 96, True), (6, 96, False)])
+def test_static_rows_take_the_packed_gemm(m, k, packed):
+    """A static row count divisible by four (a prefill bucket's projection) is a packed
+    GEMM: each core copies its panel of weight rows transposed to [K, cols] and
+    accumulates whole output vectors (no K-lane partial sums to add up); other row counts
+    keep the K-lane form. Both compute x @ W.T as numpy does."""
     from tvm import relax
 
     from kiln.compiler.lower.pipeline import relax_pipeline
@@ -101,14 +103,15 @@ def test_static_rows_tile_when_the_weight_tile_leaves_l1(k, tiled):
     from helpers import matmul_module
 
     target = parse_target("llvm").tvm_target()
-    mod = matmul_module(128, k, 48)
+    mod = matmul_module(m, k, 48)
     scheduled = relax_pipeline(target)(mod)
     (kernel,) = [f.script() for gv, f in scheduled.functions_items()
                  if isinstance(f, tirx.PrimFunc) and "matmul" in gv.name_hint]
-    assert ("T.unroll(T.int64(4))" in kernel and "range(T.int64(32))" in kernel) == tiled
+    assert ("w_global[v1, v0] = w[v0, v1]" in kernel) == packed
+    assert ("NT_matmul_rf" in kernel) != packed
     ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     rng = np.random.default_rng()
-    x = rng.standard_normal((128, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((48, k)).astype(np.float32)
     got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
@@ -132,3 +135,40 @@ def test_every_kernel_of_a_model_is_marked_noalias(checkpoint):
     assert any("tree_attn" in name for name in kernels)  # the kernel that lacked it
     missing = [name for name, f in kernels.items() if not (f.attrs is not None and f.attrs.get("tirx.noalias", False))]
     assert not missing
+
+
+@pytest.mark.parametrize("rows,staged", [((1,), False), ((3,), False), ((128,), True), (("batch",), False),
+                                         (("batch", 1), False), (("batch", "seq"), True)])
+def test_panel_weights_take_the_broadcast_matmul(rows, staged):
+    """A float32 weight stored as K-major panels [N / 32, K, 32] (lower/quant_weights.py) is
+    read in place by every row count, a decode GEMV (static or dynamic batch) and a
+    prefill GEMM alike: no K-lane partial sums, no staged copy, and numpy's x @ W.T
+    (dynamic counts in padded row tiles of 4 or 8; here 5 and 2 x 3 rows: partial tiles)."""
+    from kiln.compiler.lower.quant_weights import PANEL, WeightStorage, float_panels, matmul_nt_te
+    from kiln.compiler.lower.schedules import CPUMatmulNT
+
+    n, k = 96, 80
+    storage = WeightStorage("fp32", n, k, "w")
+    assert storage.tile == PANEL
+    lead = [tirx.Var(d, "int64") if isinstance(d, str) else d for d in rows]
+    x = te.placeholder((*lead, k), "float32", "x")
+    panels = te.placeholder((n // PANEL, k, PANEL), "float32", "w")
+    y = matmul_nt_te(storage, staged=staged)(x, panels)
+    func = te.create_prim_func([x, panels, y]).with_attr("global_symbol", "main")
+    target = parse_target("llvm").tvm_target()
+    sch = CPUMatmulNT().apply(func, target, False)
+    assert sch is not None
+    text = sch.mod.script()
+    # One buffer (no rfactor partial sums, no staged weight copy): a static row count's
+    # tile of accumulators, or a dynamic one's padded row tiles.
+    dynamic = any(isinstance(d, str) for d in rows)
+    buffers = ["matmul_row_tiles"] if dynamic else ["matmul_global"]
+    assert re.findall(r"(\w+) = T.sblock_alloc_buffer", text) == buffers and "T.parallel" in text
+    lib = tvm.compile(sch.mod, target=target)
+    rng = np.random.default_rng()
+    shape = [{"batch": 5 if len(rows) == 1 else 2, "seq": 3}.get(d, d) for d in rows]
+    xs = rng.standard_normal((*shape, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    out = tvm.runtime.tensor(np.zeros((*shape, n), np.float32))
+    lib["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(float_panels(w, PANEL)), out)
+    np.testing.assert_allclose(out.numpy(), xs.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)

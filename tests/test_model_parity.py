@@ -70,6 +70,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_source, smollm2_module):
         expected = ref(ids).logits
         got, _ = smollm2_module(ids, torch.arange(48)[None], all_logits=True)
     # 30 layers and logits up to ~20 in float32 (one ulp there is 2e-6): the two
-    # implementations' different op orders reach ~1.2e-4 on some random inputs, so the
-    # bound is 1e-4 plus 1e-5 of the logit's magnitude (~3e-4 for the largest logits).
-    torch.testing.assert_close(got, expected, atol=TOL, rtol=1e-5)
+    # implementations' different op orders reach ~1.2e-4 on most random inputs and 4.3e-4
+    # on one seen (of 2.4M logits), so the bound is 1e-3 plus 1e-5 of the logit's
+    # magnitude (a wrong weight or op moves logits by 1e-2 or more).
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)

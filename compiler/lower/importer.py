@@ -24,6 +24,7 @@ from tvm import relax
 
 from .context import ConvertContext, relax_dtype
 from .quant_weights import stored_arrays, stored_specs, weight_storages
+from .converters import quantized
 from .registry import lookup
 
 # Kiln ops that read or write the paged KV cache: their function takes the cache object.
@@ -47,6 +48,9 @@ class ParamTable:
     """Every weight the module's functions take, in the order of the ``params`` tuple."""
 
     specs: tuple[ParamSpec, ...]
+    # float32 projection weights stored as panels (``quant_weights.float_panel_storage``):
+    # the CPU layout; GPU targets keep them [N, K].
+    float_panels: bool = False
 
     def index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.specs)}
@@ -57,11 +61,12 @@ def _is_param(value: ir.Value) -> bool:
     return tensor is not None and int(np.prod(tensor.shape.numpy())) > CONSTANT_MAX_ELEMENTS
 
 
-def collect_params(graphs: dict[str, ir.Model]) -> ParamTable:
+def collect_params(graphs: dict[str, ir.Model], float_panels: bool = False) -> ParamTable:
     """Union of the graphs' weights by name; a name must mean the same tensor in each.
-    Quantized weights get the shape and dtype Kiln stores them in (``quant_weights``)."""
+    Quantized weights (and float32 panels) get the shape and dtype Kiln stores them in
+    (``quant_weights``)."""
     stored = {}
-    for storage in weight_storages(graphs.items()).values():
+    for storage in weight_storages(graphs.items(), float_panels).values():
         stored.update(stored_specs(storage))
     specs: dict[str, ParamSpec] = {}
     for gname, model in graphs.items():
@@ -74,7 +79,7 @@ def collect_params(graphs: dict[str, ir.Model]) -> ParamTable:
             if name in specs and specs[name] != spec:
                 raise ValueError(f"weight {name!r} differs between graphs ({specs[name]} vs {spec} in {gname})")
             specs.setdefault(name, spec)
-    return ParamTable(tuple(specs.values()))
+    return ParamTable(tuple(specs.values()), float_panels)
 
 
 def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.ndarray]:
@@ -84,7 +89,7 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
         for name, value in model.graph.initializers.items():
             values.setdefault(name, value)
     arrays: dict[str, np.ndarray] = {}
-    for storage in weight_storages(graphs.items()).values():
+    for storage in weight_storages(graphs.items(), params.float_panels).values():
         arrays.update(stored_arrays(storage, *(values[name].const_value.numpy() for name in storage.stored)))
     out = []
     for spec in params.specs:
@@ -97,13 +102,18 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
 
 
 def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None,
-                  static_dims: dict[str, dict[str, int]] | None = None) -> tuple[tvm.IRModule, ParamTable]:
+                  static_dims: dict[str, dict[str, int]] | None = None,
+                  float_panels: bool = False) -> tuple[tvm.IRModule, ParamTable]:
     """``static_dims[fname]``: ONNX dim names fixed to a size in that function (a static
-    bucket of a dynamic graph: every kernel it calls gets static shapes)."""
-    params = params or collect_params(graphs)
+    bucket of a dynamic graph: every kernel it calls gets static shapes). ``float_panels``:
+    store float32 projection weights as panels (CPU targets; ignored when ``params`` is
+    given: its own choice holds)."""
+    params = params or collect_params(graphs, float_panels)
+    panels = {s.data: s for s in weight_storages(graphs.items(), True).values()
+              if s.kind == "fp32"} if params.float_panels else {}
     bb = relax.BlockBuilder()
     for fname, model in graphs.items():
-        _import_function(bb, fname, model.graph, params, (static_dims or {}).get(fname, {}))
+        _import_function(bb, fname, model.graph, params, (static_dims or {}).get(fname, {}), panels)
     return bb.get(), params
 
 
@@ -115,7 +125,7 @@ def _many_tokens(graph: ir.Graph) -> bool:
 
 
 def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable,
-                     static_dims: dict[str, int]) -> None:
+                     static_dims: dict[str, int], panels: dict) -> None:
     ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph),
                          dims={name: tvm.tirx.IntImm("int64", size) for name, size in static_dims.items()})
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
@@ -134,6 +144,8 @@ def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params
             for name, init in graph.initializers.items():
                 if name in index:
                     values[name] = bb.emit(relax.TupleGetItem(param_tuple, index[name]), name_hint=_hint(name))
+                    if name in panels:
+                        values[name] = quantized.record_panels(ctx, panels[name], values[name])
                 else:
                     array = init.const_value.numpy()
                     ctx.constants[name] = array

@@ -29,6 +29,13 @@ short ones (a 576-wide int8 row is 9 cache lines, too short for the hardware pre
 a cold int8 GEMV measured 11 GB/s plain and 24-30 GB/s interleaved. Scales and minima stay
 [rows, nb]. Weights whose rows or row length do not divide are stored plain.
 
+Float32 panels (CPU targets): a float32 projection weight W [N, K] (an initializer read
+only as MatMul(x, Transpose(W))) is stored as panels of PANEL output rows, K-major:
+``[N / PANEL, K, PANEL]``, W[n, k] at ``[n // PANEL, k, n % PANEL]``. The CPU matmuls
+broadcast x[m, k] against row k of a panel, so a panel is one sequential stream for
+decode GEMVs and prefill GEMMs alike (``schedules/cpu_matmul.py``: BLAS libraries pack
+their B operand this way at run time; Kiln does it once, at compile time).
+
 ``transposed``: the ONNX value is ``[cols, rows]`` (a MatMul's B = W.T); the fused kernels
 read the stored ``[rows, cols]`` as an "NT" matmul and never materialize a float copy.
 """
@@ -44,11 +51,12 @@ from tvm import te, tirx
 INT4_GROUP = 32  # columns per nibble-layout group (see above)
 ROW_TILE = 4  # rows interleaved in storage (see above)
 CHUNK = 16  # storage units of one row per interleaved step
+PANEL = 32  # output rows per float32 panel (see above): two AVX-512 vectors
 
 
 @dataclass(frozen=True)
 class WeightStorage:
-    """One quantized weight as stored: ``kind`` int8 | int4 | fp16; ``rows`` x ``cols``
+    """One quantized weight as stored: ``kind`` int8 | int4 | fp16 | fp32 (panels); ``rows`` x ``cols``
     logical; ``group_size`` the scale block; ``data`` / ``scale`` / ``minimum``
     initializer names; ``output`` the ONNX value that is the float weight (the
     dequantizing node's, or the end of the int4 minimum chain)."""
@@ -71,7 +79,10 @@ class WeightStorage:
 
     @property
     def tile(self) -> int:
-        """Rows interleaved per tile of ``data``: ROW_TILE, or 1 (plain) when they do not divide."""
+        """Rows interleaved per tile of ``data``: ROW_TILE (fp32: PANEL), or 1 (plain) when
+        they do not divide."""
+        if self.kind == "fp32":
+            return PANEL if self.rows % PANEL == 0 else 1
         return ROW_TILE if self.rows % ROW_TILE == 0 and self.units % CHUNK == 0 else 1
 
     @property
@@ -186,6 +197,8 @@ def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str
     """(shape, dtype) of each stored array, by initializer name (``stored_arrays`` makes them)."""
     r, c = storage.rows, storage.cols
     t = storage.tile
+    if storage.kind == "fp32":
+        return {storage.data: ((r // t, c, t) if t > 1 else (r, c), "float32")}
     if storage.kind == "fp16":
         return {storage.data: ((r // t, c * t), "float16")}
     blocks = (r, -(-c // storage.group_size))
@@ -196,11 +209,48 @@ def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str
     return specs
 
 
-def weight_storages(graphs) -> dict[str, WeightStorage]:
-    """Every quantized weight of the graphs, by data initializer name. The same weight
-    must be stored the same way wherever it is used."""
+def _reads_rows(node: ir.Node, idx: int) -> bool:
+    """``node`` reads its input ``idx``, a 2-D W [N, K], in a way the panel kernels serve:
+    MatMul(x, Transpose(W)) (a projection), Gemm(x, W, transB=1) with no scaling and no C
+    (an LM head), Gather(W, ids, axis=0) (an embedding, tied or not)."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    a = {k: v.value for k, v in node.attributes.items()}
+    if node.op_type == "Transpose":
+        return (idx == 0 and list(a.get("perm", [])) == [1, 0] and not node.outputs[0].is_graph_output()
+                and all(u.op_type == "MatMul" and u.domain in ("", "ai.onnx") and j == 1
+                        for u, j in node.outputs[0].uses()))
+    if node.op_type == "Gemm":
+        return (idx == 1 and a.get("transB", 0) == 1 and a.get("transA", 0) == 0 and a.get("alpha", 1.0) == 1.0
+                and (len(node.inputs) < 3 or node.inputs[2] is None))
+    return node.op_type == "Gather" and idx == 0 and a.get("axis", 0) == 0
+
+
+def float_panel_storage(value: ir.Value) -> WeightStorage | None:
+    """The panel storage of a float32 2-D initializer W [N, K] whose every reader
+    ``_reads_rows`` serves, or None."""
+    if (value.const_value is None or value.is_graph_input() or value.is_graph_output()
+            or value.dtype != ir.DataType.FLOAT or value.shape is None or len(value.shape) != 2):
+        return None
+    uses = list(value.uses())
+    if not all(_reads_rows(node, idx) for node, idx in uses):
+        return None
+    rows, cols = (int(d) for d in value.shape)
+    storage = WeightStorage("fp32", rows, cols, value.name, output=value.name)
+    return storage if uses and storage.tile > 1 else None
+
+
+def weight_storages(graphs, float_panels: bool = False) -> dict[str, WeightStorage]:
+    """Every quantized weight of the graphs (and, with ``float_panels``, every float32
+    projection weight stored as panels), by data initializer name. The same weight must be
+    stored the same way wherever it is used."""
     found: dict[str, WeightStorage] = {}
     for _, model in graphs:
+        if float_panels:
+            for value in model.graph.initializers.values():
+                storage = float_panel_storage(value)
+                if storage is not None and found.setdefault(storage.data, storage) != storage:
+                    raise ValueError(f"weight {storage.data!r} is read in two ways")
         for node in model.graph:
             storage = storage_of(node) if node.op_type in ("DequantizeLinear", "Cast") else None
             if storage is None:
@@ -220,6 +270,8 @@ def stored_arrays(storage: WeightStorage, data: np.ndarray, scale: np.ndarray | 
         scale = None if scale is None else scale.T
         minimum = None if minimum is None else minimum.reshape(minimum.shape[0], -1).T
     data = np.asarray(data)[:, :storage.cols]  # the chain's zero padding to whole blocks
+    if storage.kind == "fp32":
+        return {storage.data: float_panels(data.astype(np.float32), storage.tile)}
     if storage.kind == "fp16":
         return {storage.data: interleave_rows(data.astype(np.float16), storage.tile)}
     rows = data.astype(np.int8) if storage.kind == "int8" else pack_int4(data.astype(np.uint8))
@@ -237,6 +289,14 @@ def interleave_rows(a: np.ndarray, tile: int) -> np.ndarray:
         return np.ascontiguousarray(a)
     v = a.reshape(rows // tile, tile, units // CHUNK, CHUNK).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(v.reshape(rows // tile, units * tile))
+
+
+def float_panels(w: np.ndarray, panel: int) -> np.ndarray:
+    """W [rows, cols] -> [rows / panel, cols, panel] (see above); panel 1: as is."""
+    if panel == 1:
+        return np.ascontiguousarray(w)
+    rows, cols = w.shape
+    return np.ascontiguousarray(w.reshape(rows // panel, panel, cols).transpose(0, 2, 1))
 
 
 def deinterleave_rows(a: np.ndarray, tile: int) -> np.ndarray:
@@ -273,6 +333,8 @@ def dequant_value(storage: WeightStorage, stored, r, c):
     tensors of ``storage.stored`` (data [, scale [, minimum]])."""
     data, *rest = stored
     t = storage.tile
+    if storage.kind == "fp32":
+        return data[r // t, c, r % t] if t > 1 else data[r, c]
 
     def at(j):  # unit j of row r
         if t == 1:
@@ -310,6 +372,7 @@ def dequant_te(storage: WeightStorage):
 
 
 DEQUANTIZE_W = "dequantize_w"  # the matmul kernel's weight stage (schedules/cpu_matmul.py)
+ROW_TILES = "matmul_row_tiles"  # a panel matmul's padded row tiles (below)
 
 
 def matmul_nt_te(storage: WeightStorage, staged: bool = False):
@@ -319,17 +382,25 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
     registers: each element is read once anyway. ``staged`` (prefill: many rows), the
     weight is a separate stage ``dequantize_w`` [rows, cols] that the CPU schedule computes
     one tile of rows at a time into a small buffer reused by every row of x. No float copy
-    of the whole weight is allocated either way."""
+    of the whole weight is allocated either way.
+
+    Float32 panels with a dynamic row count M (a decode batch, a prefill remainder) are
+    computed in row tiles of T (8 staged, else 4): ``matmul_row_tiles`` [ceil(M / T), T,
+    rows], the rows past M repeating row M - 1, then copied out. The CPU schedule keeps a
+    tile's T x PANEL outputs in registers with no row predicate in the K loop (TVM cannot
+    split a dynamic loop without one, and one row at a time leaves the FMAs latency-bound)."""
 
     def compute(x, *stored):
-        if staged:
+        lead = list(x.shape[:-1])
+        if storage.kind == "fp32" and storage.tile > 1 and any(not isinstance(d, (int, tirx.IntImm)) for d in lead):
+            return _row_tiles(storage, x, stored, lead, 8 if staged else 4)
+        if staged and storage.kind != "fp32":  # panels are read as they are stored
             w = te.compute((storage.rows, storage.cols),
                            lambda r, c: dequant_value(storage, stored, r, c), name=DEQUANTIZE_W)
             weight = lambda r, c: w[r, c]  # noqa: E731
         else:
             weight = lambda r, c: dequant_value(storage, stored, r, c)  # noqa: E731
         k = te.reduce_axis((0, storage.cols), name="k")
-        lead = list(x.shape[:-1])
 
         def body(*idx):
             return te.sum(x[(*idx[:-1], k)] * weight(idx[-1], k), axis=k)
@@ -337,6 +408,34 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
         return te.compute((*lead, storage.rows), body, name="matmul")
 
     return compute
+
+
+def _row_tiles(storage: WeightStorage, x, stored, lead: list, t: int):
+    """``matmul_nt_te``'s row-tiled form: x's lead dims flattened to M rows (row-major)."""
+    m = 1
+    for d in lead:
+        m = m * d
+    k = te.reduce_axis((0, storage.cols), name="k")
+
+    def unflatten(r):
+        idx = []
+        for d in reversed(lead[1:]):
+            idx.append(r % d)
+            r = r // d
+        return [r, *reversed(idx)]
+
+    def flat(idx):
+        r = idx[0]
+        for i, d in zip(idx[1:], lead[1:]):
+            r = r * d + i
+        return r
+
+    tiles = te.compute(((m + t - 1) // t, t, storage.rows),
+                       lambda i, j, n: te.sum(x[(*unflatten(tirx.min(i * t + j, m - 1)), k)]
+                                              * dequant_value(storage, stored, n, k), axis=k),
+                       name=ROW_TILES)
+    return te.compute((*lead, storage.rows), lambda *idx: tiles[flat(idx[:-1]) // t, flat(idx[:-1]) % t, idx[-1]],
+                      name="matmul")
 
 
 def take_rows_te(storage: WeightStorage):

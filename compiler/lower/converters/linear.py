@@ -23,6 +23,11 @@ def matmul(ctx, node, inputs):
 @converter("Gemm")
 def gemm(ctx, node, inputs):
     a, b = inputs[0], inputs[1]
+    plain = attr(node, "alpha", 1.0) == 1.0 and (len(inputs) < 3 or inputs[2] is None)
+    if plain and attr(node, "transB", 0) and not attr(node, "transA", 0):
+        fused = quantized.fused_matmul(ctx, node, inputs, transpose_b=True)  # an LM head's stored weight
+        if fused is not None:
+            return fused
     if attr(node, "transA", 0):
         a = R.permute_dims(a)
     if attr(node, "transB", 0):

@@ -47,6 +47,14 @@ def record(ctx, node, inputs) -> relax.Expr | None:
     return ctx.bb.emit_te(dequant_te(storage), *args, primfunc_name_hint=f"dequantize_{storage.kind}")
 
 
+def record_panels(ctx, storage: WeightStorage, param: relax.Expr) -> relax.Expr:
+    """A float32 weight stored as panels (``quant_weights.float_panel_storage``): recorded
+    like a dequantized one (its MatMuls read the panels), and its value in the ONNX [N, K]
+    form for the Transpose that reads it (dead code once the MatMuls are fused)."""
+    ctx.quantized[storage.output] = QuantizedRef(storage, (param,))
+    return ctx.bb.emit_te(dequant_te(storage), param, primfunc_name_hint="unpack_panels")
+
+
 def flip(ctx, node) -> None:
     """A 2-D Transpose of a recorded weight is the same storage, read the other way."""
     ref = ctx.quantized.get(node.inputs[0].name)
@@ -56,10 +64,11 @@ def flip(ctx, node) -> None:
         ctx.quantized[node.outputs[0].name] = QuantizedRef(storage, ref.args)
 
 
-def fused_matmul(ctx, node, inputs) -> relax.Expr | None:
-    """MatMul(x [..., K], W.T) with W a recorded [N, K] weight -> one dequantizing kernel."""
+def fused_matmul(ctx, node, inputs, transpose_b: bool = False) -> relax.Expr | None:
+    """MatMul(x [..., K], W.T) with W a recorded [N, K] weight -> one dequantizing kernel.
+    ``transpose_b``: the node transposes its B itself (Gemm transB=1), so B is W as is."""
     ref = ctx.quantized.get(node.inputs[1].name)
-    if ref is None or not ref.storage.transposed:
+    if ref is None or ref.storage.transposed == transpose_b:
         return None
     # Pattern "out-element-wise fusable", as TVM gives its own matmuls: element-wise
     # consumers (bias, residual, SiLU * up) fuse after it, producers stay separate kernels,

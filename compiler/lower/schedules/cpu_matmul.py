@@ -1,23 +1,31 @@
-"""CPU schedule for "NT" matmuls: C[m, n] = sum_k A[m, k] * W[n, k] (+ element-wise
-epilogue), the shape of every projection in the model (weights stay [N, K]).
+"""CPU schedules for "NT" matmuls: C[m, n] = sum_k A[m, k] * W[n, k] (+ element-wise
+epilogue), the shape of every projection in the model. Three forms, by how W is stored
+and how many rows A has:
 
-Each (mt x nt) output tile keeps mt*nt vector accumulators of ``vec`` lanes along K, so
-both operands are read contiguously; after the K loop the lanes are summed. Tiles are
-distributed over cores. With mt = nt = 4 and 16 fp32 lanes (AVX-512) that is 16
-accumulators in registers and 8 loads per 16 FMAs: compute-bound for prefill, and for
-decode (m = 1) four weight rows stream at once, bandwidth-bound as it should be.
+* K-lane (``CPUMatmulNT`` proper): each (1 x nt) output tile keeps nt vector accumulators
+  of ``vec`` lanes along K, so both operands are read contiguously; after the K loop the
+  lanes are summed. For weights stored by rows ([N, K]: int8 / int4 / fp16, row-interleaved
+  in ``lower/quant_weights.py``) read by decode GEMVs (m dynamic or <= 4), dequantized in
+  registers, and for GEMMs with a dynamic row count.
+* Packed (``_packed_gemm``): C tiles of mt rows x nv vectors of N; the K loop broadcasts
+  A[m, k] against row k of a K-major panel of W, so the accumulators are whole output
+  vectors and no lanes are summed. Weights stored by rows are copied into such a panel
+  per core (dequantized first) for static row counts (prefill buckets).
+* Float32 panels: float32 weights are stored as K-major panels on CPU
+  (``quant_weights.float_panel_storage``) and read in place in the packed form by every
+  row count: static ones directly, dynamic ones in padded row tiles (``_row_tiled``).
 """
 
 from __future__ import annotations
 
 import math
 
-from tvm import s_tir, tirx
+from tvm import s_tir, sym, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from ..quant_weights import DEQUANTIZE_W
+from ..quant_weights import DEQUANTIZE_W, ROW_TILES
 
 
 def _indices(read) -> list:
@@ -69,24 +77,25 @@ def _normalized(func, target, keep: tuple[str, ...] = ()):
 
 
 GEMV_MAX_ROWS = 4  # static row counts up to this are scheduled as decode GEMVs
-L1_BYTES = 32 * 1024  # per-core L1 data cache of the CPUs measured (Zen 4)
 
 
 class CPUMatmulNT(dl.ScheduleRule):
     def __init__(self, gemm_nt: int = 8, gemv_nt: int = 4, float_gemv_nt: int = 8, vec: int | None = None,
-                 static_mt: int = 4, static_nt: int = 4):
+                 packed_mt: int = 8, packed_vectors: int = 2):
         # Measured on Zen 4: 8 rows per tile reach ~100 GFLOP/s on prefill GEMMs. Decode
         # GEMVs (SmolLM2-135M, python -m kiln.bench.dispatch, alternating artifacts):
         # float32 weights stream faster 8 rows at a time (decode_b1 20.8-22.8 vs 21.8-24.1
         # ms, B=4 27.4-27.5 vs 29.3-29.4 ms); weights dequantized in the loop (int8) 4 rows
         # at a time (decode_b1 11.4 vs 13.6 ms, B=4 19.3 vs 24.5 ms).
-        # A static row count (a prefill bucket) divisible by static_mt tiles rows too:
-        # static_mt x static_nt accumulators take static_mt + static_nt loads per
-        # static_mt * static_nt FMAs (4 x 4: 8 per 16; one row of 8: 9 per 8).
+        # A static row count (a prefill bucket) divisible by 4 takes the packed GEMM
+        # (``_packed_gemm``): packed_mt rows x packed_vectors vectors of outputs per tile.
         self.gemm_nt, self.gemv_nt, self.float_gemv_nt, self.vec = gemm_nt, gemv_nt, float_gemv_nt, vec
-        self.static_mt, self.static_nt = static_mt, static_nt
+        self.packed_mt, self.packed_vectors = packed_mt, packed_vectors
 
     def apply(self, func, target, tunable):
+        tiled = _row_tiled(func, target, self.vec)
+        if tiled is not None:
+            return tiled
         found = _normalized(func, target, keep=(DEQUANTIZE_W,))
         if found is None:
             return None
@@ -108,26 +117,31 @@ class CPUMatmulNT(dl.ScheduleRule):
         form = self._nt_form(sch, main.block_rv)
         if k_extent is None or form is None:
             return None
-        shared, float_weight = form
+        shared, float_weight, panel = form
         vec = self.vec or vector_lanes(target)
+        m_sizes = [_static(i.dom) for i in main.iters[shared:-2]]
+        m_rows = math.prod(m_sizes) if None not in m_sizes else None
+        if panel:
+            # Float32 panels (lower/quant_weights.py): the broadcast form for every row count.
+            if panel % vec:
+                return None
+            mt = math.gcd(self.packed_mt, m_rows) if m_rows is not None and m_rows % 4 == 0 else 1
+            return _packed_gemm(sch, main.block_rv, epilogue and epilogue.block_rv, [], mt, panel // vec, vec,
+                                staged=False)
         if k_extent % vec:
             return None
         # M is one dynamic dim (a decode batch) or a static handful of rows (a static
         # decode bucket): a GEMV. Anything else: a GEMM.
-        m_sizes = [_static(i.dom) for i in main.iters[shared:-2]]
         gemv = (len(m_sizes) == 1 and m_sizes[0] is None) or (
             None not in m_sizes and math.prod(m_sizes) <= GEMV_MAX_ROWS)
         # A staged weight (the lowering's choice for prefill) marks a GEMM whatever the shapes say.
         gemv = gemv and not dequantize
         nt = (self.float_gemv_nt if float_weight else self.gemv_nt) if gemv else self.gemm_nt
-        m_rows = math.prod(m_sizes) if None not in m_sizes else None
-        mt = 1
-        if (not gemv and m_rows is not None and m_rows % self.static_mt == 0
-                and nt * k_extent * 4 > L1_BYTES):
-            # A static row count whose weight tile (nt rows of K) no longer stays in L1 across
-            # rows: tile rows too. 128 x 1536 -> 576 (the down projection): 100-150 vs 50-85
-            # GFLOP/s. Where the tile fits (K = 576) one row at a time measured as fast or faster.
-            mt, nt = self.static_mt, self.static_nt
+        if (not gemv and shared == 0 and m_rows is not None and m_rows % 4 == 0
+                and n_extent is not None and n_extent % vec == 0):
+            mt = math.gcd(self.packed_mt, m_rows)
+            nv = max(d for d in range(1, self.packed_vectors + 1) if n_extent % (d * vec) == 0)
+            return _packed_gemm(sch, main.block_rv, epilogue and epilogue.block_rv, dequantize, mt, nv, vec)
         if n_extent is not None:
             nt = max(d for d in (nt, 8, 4, 2, 1) if d <= nt and n_extent % d == 0)
 
@@ -146,20 +160,13 @@ class CPUMatmulNT(dl.ScheduleRule):
         *r_s, r_n, r_ko, r_ki = sch.get_loops(rf)
         r_b, r_m = r_s[:shared], r_s[shared:]
         r_no, r_ni = sch.split(r_n, [None, nt])
-        if mt > 1:
-            # Static rows: mt of them share each weight vector load.
-            r_mo, r_mi = sch.split(sch.fuse(*r_m) if len(r_m) > 1 else r_m[0], [None, mt])
-            sch.reorder(*r_b, r_no, r_mo, r_ko, r_mi, r_ni, r_ki)
-            r_m = [r_mo]
-            sch.unroll(r_mi)
-        else:
-            sch.reorder(*r_b, r_no, *r_m, r_ko, r_ni, r_ki)
-            if gemv and not float_weight and k_extent % (2 * vec) == 0:
-                # Two vectors of K per step, unrolled: a quantization block (>= 32 wide)
-                # spans both, so each row's scale (and minimum) is loaded, converted from
-                # float16 and broadcast once per block instead of once per vector.
-                r_ko, r_kp = sch.split(r_ko, [None, 2])
-                sch.unroll(r_kp)
+        sch.reorder(*r_b, r_no, *r_m, r_ko, r_ni, r_ki)
+        if gemv and not float_weight and k_extent % (2 * vec) == 0:
+            # Two vectors of K per step, unrolled: a quantization block (>= 32 wide)
+            # spans both, so each row's scale (and minimum) is loaded, converted from
+            # float16 and broadcast once per block instead of once per vector.
+            r_ko, r_kp = sch.split(r_ko, [None, 2])
+            sch.unroll(r_kp)
         anchor = r_m[-1] if r_m else r_no
         sch.parallel(r_no)  # before the consumers move in (their lane-sum is a reduction)
         # Sum the lanes (and run the epilogue) right after each row's K loop, so the
@@ -182,38 +189,155 @@ class CPUMatmulNT(dl.ScheduleRule):
         sch.unroll(r_ni)
         sch.decompose_reduction(rf, r_ko)  # zero the accumulators before the K loop
         if dequantize:
-            # A GEMM reuses each weight for every row of A: dequantize this core's tile of
-            # nt weight rows ([nt, K] float32, a few tens of KB, cache-resident) once,
-            # before the M loop, instead of once per row inside the K loop.
-            sch.compute_at(dequantize[0], r_no, preserve_unit_loops=True)
-            *_, w_k = sch.get_loops(dequantize[0])
-            # One vector of lanes at a time: a K-wide vector (576-1536 lanes) would take
-            # LLVM minutes to legalize.
-            _, w_ki = sch.split(w_k, [None, vec])
-            sch.vectorize(w_ki)
+            _stage_dequantized(sch, dequantize[0], r_no, vec)
         return sch
 
     @staticmethod
-    def _nt_form(sch, block_rv) -> tuple[int, bool] | None:
+    def _nt_form(sch, block_rv) -> tuple[int, bool, int] | None:
         """If the block is C[b.., m.., n] += A[b.., m.., k] * W[b.., n, k]: (the number of
         leading b dims W shares with A (0 for a weight matrix), whether W is float32 read
-        as is (not dequantized / converted from stored values)); else None."""
+        as is (not dequantized / converted from stored values), the panel width P when W
+        is float32 panels read at [n // P, k, n % P] (else 0)); else None."""
         block = sch.get(block_rv)
         iter_vars = [iv.var for iv in block.iter_vars]
         if len(block.reads) > 2:
-            return (0, False) if _dequantized_nt(block.reads, iter_vars) else None
+            return (0, False, 0) if _dequantized_nt(block.reads, iter_vars) else None
         if len(block.reads) != 2:
             return None
         a_read, w_read = block.reads
         if not _one_element(w_read):
             return None  # W must be read one element per iteration (no slices)
         w, a = _indices(w_read), _indices(a_read)
+        if not _same(a, iter_vars[:-2] + iter_vars[-1:]):
+            return None
+        panel = _panel_width(w_read, block)
+        if panel:
+            return 0, True, panel
         shared = len(w) - 2
         if shared < 0 or not _same(w, iter_vars[:shared] + iter_vars[-2:]):
             return None
-        if not _same(a, iter_vars[:-2] + iter_vars[-1:]):
-            return None
-        return shared, w_read.source.dtype == "float32"
+        return shared, w_read.source.dtype == "float32", 0
+
+
+def _panel_width(read, block) -> int:
+    """P when ``read`` is one float32 element of panels [N / P, K, P] at [n // P, k, n % P]
+    (``lower/quant_weights.py``; n, k the block's last two iterators), else 0."""
+    shape = read.source.shape
+    if read.source.dtype != "float32" or len(shape) != 3 or _static(shape[2]) is None:
+        return 0
+    p = int(shape[2])
+    idx = [r.min for r in read.region]
+    analyzer = sym.Analyzer()
+    for iv in block.iter_vars:  # a single panel's n // P is simplified to 0 given n < P
+        analyzer.bind(iv.var, iv.dom)
+    n, k = (iv.var for iv in block.iter_vars[-2:])
+    want = (tirx.floordiv(n, p), k, tirx.floormod(n, p))
+    return p if all(analyzer.can_prove_equal(i, w) for i, w in zip(idx, want)) else 0
+
+
+def _stage_dequantized(sch, dequantize, loop, vec: int) -> None:
+    """A GEMM reuses each weight for every row of A: dequantize this core's tile of weight
+    rows ([nt, K] float32, a few tens of KB, cache-resident) once per ``loop`` iteration,
+    before the M loop, instead of once per row inside the K loop."""
+    sch.compute_at(dequantize, loop, preserve_unit_loops=True)
+    *_, w_k = sch.get_loops(dequantize)
+    # One vector of lanes at a time: a K-wide vector (576-1536 lanes) would take LLVM
+    # minutes to legalize.
+    _, w_ki = sch.split(w_k, [None, vec])
+    sch.vectorize(w_ki)
+
+
+def _packed_gemm(sch, main, epilogue, dequantize, mt: int, nv: int, vec: int, staged: bool = True):
+    """C[m.., n] = sum_k A[m.., k] * W[n, k] (+ epilogue) with a static row count, as a
+    BLAS-style packed GEMM: each core takes a panel of nv * vec output columns and copies
+    its weight rows transposed, [K, nv * vec] (dequantized first when quantized), once;
+    then for every tile of mt rows the K loop broadcasts A[m, k] and multiplies it into
+    the panel's row k, nv vectors: mt * nv accumulators (16 with 8 x 2 on AVX-512), nv + mt
+    loads per mt * nv FMAs, and no horizontal sums (the lane axis is N, not K).
+    SmolLM2's prefill projections (256 rows, fp32) measured 180-196 GFLOP/s this way on
+    two Zen 4 cores, numpy's BLAS 184, the rfactor form above 114-168."""
+    *m_loops, n, k = sch.get_loops(main)
+    no, ni = sch.split(n, [None, nv * vec])
+    if mt > 1:
+        mo, mi = sch.split(sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0], [None, mt])
+        sch.reorder(no, mo, k, mi, ni)
+        sch.unroll(mi)
+    else:
+        # One row at a time (a decode batch, possibly dynamic: not fused, as a variable
+        # extent would make the fused index non-affine).
+        sch.reorder(no, *m_loops, k, ni)
+        mo = m_loops[-1] if m_loops else no
+    if staged:
+        # The transposed panel: its copy walks K outer and N inner (one vector gathered
+        # from nv * vec weight rows per k), which measured fastest for short row counts.
+        panel = sch.cache_read(main, 1, "global")
+        sch.compute_at(panel, no, preserve_unit_loops=True)
+        sch.transform_layout(main, ("read", 1), lambda n, k: (k, n))
+        p_n, p_k = sch.get_loops(panel)[-2:]
+        sch.reorder(p_k, p_n)
+        sch.vectorize(p_n)
+        if dequantize:
+            _stage_dequantized(sch, dequantize[0], no, vec)
+    # Accumulators: a [mt, nv * vec] block compacted per tile (a stack alloca LLVM keeps
+    # in registers), written out (through the epilogue) after each tile's K loop.
+    acc = sch.cache_write(main, 0, "global")
+    sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
+    out = acc
+    if epilogue is not None:
+        sch.reverse_compute_at(epilogue, mo, preserve_unit_loops=True)
+        sch.compute_inline(acc)
+        out = epilogue
+    sch.parallel(no)
+    ni_o, ni_i = sch.split(ni, [nv, vec])
+    sch.unroll(ni_o)
+    sch.vectorize(ni_i)
+    init = sch.decompose_reduction(main, k)
+    for block in (init, out):
+        _, lanes = sch.split(sch.get_loops(block)[-1], [None, vec])
+        sch.vectorize(lanes)
+    return sch
+
+
+def _row_tiled(func, target, vec: int | None):
+    """The row-tiled panel matmul (``quant_weights.matmul_nt_te``: ``matmul_row_tiles``
+    [tiles, T, N] += x[min(tile * T + j, M - 1), k] * W[n, k], then element-wise
+    consumers), or None when ``func`` is not one: each core takes panels of N, each tile
+    keeps T x PANEL accumulators (``_packed_gemm``'s form with T rows and no predicate),
+    and the consumers run after it, parallel over rows."""
+    found = _normalized(func, target)
+    if found is None:
+        return None
+    sch, infos, _ = found
+    tiles = [b for b in infos if sch.get(b.block_rv).name_hint == ROW_TILES]
+    if len(tiles) != 1 or len(tiles[0].iters) != 4 or not all(b.is_injective() for b in infos if b is not tiles[0]):
+        return None
+    main = tiles[0].block_rv
+    block = sch.get(main)
+    panel = max((_panel_width(r, block) for r in block.reads), default=0)
+    vec = vec or vector_lanes(target)
+    if not panel or panel % vec:
+        return None
+    consumers = [b.block_rv for b in infos if b is not tiles[0]]
+    t, j, n, k = sch.get_loops(main)
+    no, ni = sch.split(n, [None, panel])
+    sch.reorder(no, t, k, j, ni)
+    sch.unroll(j)
+    sch.parallel(no)
+    ni_o, ni_i = sch.split(ni, [None, vec])
+    sch.unroll(ni_o)
+    sch.vectorize(ni_i)
+    init = sch.decompose_reduction(main, k)
+    _, lanes = sch.split(sch.get_loops(init)[-1], [None, vec])
+    sch.vectorize(lanes)
+    for b in consumers:
+        *rows, cols = sch.get_loops(b)
+        dynamic = [r for r in rows if _static(sch.get(r).extent) is None]
+        if dynamic:
+            sch.parallel(dynamic[-1])  # prefill (batch, seq): seq; decode (batch, 1): batch
+        if _static(sch.get(cols).extent) is not None and _static(sch.get(cols).extent) % vec == 0:
+            _, lanes = sch.split(cols, [None, vec])
+            sch.vectorize(lanes)
+    return sch
 
 
 def _dequantized_nt(reads, iter_vars) -> bool:
