@@ -90,9 +90,12 @@ def test_prefill_over_pages(causal):
                 assert lse.numpy()[t, h] == pytest.approx(s, abs=1e-4)
 
 
-def test_prefill_ragged_causal():
+@pytest.mark.parametrize("causal", [1, 0])
+def test_prefill_ragged(causal):
+    """Tiles of 16 queries: lengths below, at and past a tile, partial last tiles, and a
+    sequence of one token."""
     rng = np.random.default_rng()
-    lengths = [int(n) for n in rng.integers(1, 60, 3)]
+    lengths = [int(n) for n in rng.integers(1, 60, 3)] + [16, 1]
     indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     n = int(indptr[-1])
     q = rng.standard_normal((n, HQ, D)).astype(np.float32)
@@ -100,12 +103,14 @@ def test_prefill_ragged_causal():
     v = rng.standard_normal((n, HKV, D)).astype(np.float32)
     fn = _build(ka.prefill_ragged(HKV, HQ, D, D, "float32"), "kiln_batch_prefill_ragged_kv_cpu")
     out, lse = tvm.runtime.tensor(np.zeros(q.shape, np.float32)), tvm.runtime.tensor(np.zeros((n, HQ), np.float32))
-    fn(*[tvm.runtime.tensor(x) for x in (q, indptr, k, v, indptr, np.zeros(n, np.int32), np.zeros(3, np.int32))],
-       out, lse, 1, 0, 1.0, 1e4, SCALE)
-    for b in range(3):
+    fn(*[tvm.runtime.tensor(x) for x in (q, indptr, k, v, indptr, np.zeros(n, np.int32),
+                                         np.zeros(len(lengths), np.int32))],
+       out, lse, causal, 0, 1.0, 1e4, SCALE)
+    for b in range(len(lengths)):
         s0 = indptr[b]
         for r in range(lengths[b]):
+            end = s0 + (r + 1 if causal else lengths[b])
             for h in range(HQ):
-                o, s = _softmax_ref(k[s0:s0 + r + 1, h // 3] @ q[s0 + r, h] * SCALE * LOG2E, v[s0:s0 + r + 1, h // 3])
+                o, s = _softmax_ref(k[s0:end, h // 3] @ q[s0 + r, h] * SCALE * LOG2E, v[s0:end, h // 3])
                 np.testing.assert_allclose(out.numpy()[s0 + r, h], o, atol=2e-6)
                 assert lse.numpy()[s0 + r, h] == pytest.approx(s, abs=1e-4)

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
+from tvm import relax, te
 
 from kiln.compiler.lower.quant_weights import (
     DEQUANTIZE_W,
@@ -109,19 +109,46 @@ def test_fused_dequantizing_matmul_matches_numpy(kind, group, minimum, rows):
     if storage.tile == 4:
         np.testing.assert_array_equal(arrays["w"][1, 2 * 64 + 3 * 16:2 * 64 + 4 * 16], want[7, 32:48])
     target = parse_target("llvm").tvm_target()
-    # [m, K]: the decode GEMV shape; [1, m, K]: a prefill GEMM (weight tiles staged).
-    for shape, staged in (((1, cols), False), ((3, cols), False), ((1, 5, cols), True), ((2, cols), True)):
+    # [m, K]: the decode GEMV shape; [1, m, K]: a prefill GEMM (weight tiles staged;
+    # 16 rows: the packed GEMM of a static bucket).
+    for shape, staged in (((1, cols), False), ((3, cols), False), ((1, 5, cols), True), ((2, cols), True),
+                          ((1, 16, cols), True)):
         x = rng.standard_normal(shape).astype(np.float32)
         out = _run(matmul_nt_te(storage, staged), [x], [arrays[k] for k in specs], target)
         np.testing.assert_allclose(out, x @ ref.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_packed_gemm_stages_the_panel_in_column_chunks(kind):
+    """A static-row quantized GEMM (a prefill bucket) dequantizes each core's panel of
+    weight rows STAGE_K columns at a time into an L1-sized buffer, copied transposed into
+    the [K, cols] panel; numpy's x @ W.T."""
+    from kiln.compiler.lower.schedules.cpu_matmul import STAGE_K
+
+    rng = np.random.default_rng()
+    rows, cols = 64, 3 * STAGE_K
+    onnx_arrays, ref = _random_weight(rng, kind, rows, cols, 32, True)
+    storage = _storage(kind, rows, cols, 32, True, True)
+    arrays = stored_arrays(storage, *onnx_arrays)
+    specs = stored_specs(storage)
+    target = parse_target("llvm").tvm_target()
+    x = rng.standard_normal((1, 24, cols)).astype(np.float32)
+    out = _run(matmul_nt_te(storage, True), [x], [arrays[k] for k in specs], target)
+    np.testing.assert_allclose(out, x @ ref.T, rtol=1e-4, atol=1e-4)
+    params = [te.placeholder(shape, dtype, name) for name, (shape, dtype) in specs.items()]
+    xp = te.placeholder(x.shape, "float32", "x")
+    sch = CPUMatmulNT().apply(te.create_prim_func([xp, *params, matmul_nt_te(storage, True)(xp, *params)]),
+                              target, False)
+    passes = tvm.s_tir.transform
+    lowered = passes.CompactBufferAllocation()(passes.ConvertBlocksToOpaque()(
+        passes.PlanAndUpdateBufferAllocationLocation()(passes.LowerInitBlock()(sch.mod)))).script()
+    assert re.search(rf"{DEQUANTIZE_W} = T.sblock_alloc_buffer\(\(\d+, {STAGE_K}\)", lowered), lowered
 
 
 @pytest.mark.parametrize("kind,group", [("int8", 32), ("int4", 32)])
 def test_cpu_matmul_rule_schedules_the_dequantizing_kernel(kind, group):
     """The NT schedule (vector accumulators along K, rows across cores) applies to the
     dequantizing kernel, not only to float matmuls."""
-    from tvm import te
-
     storage = _storage(kind, 64, 128, group, True)
     specs = stored_specs(storage)
     m = tvm.tirx.Var("m", "int64")

@@ -2,13 +2,18 @@
 
 They have exactly the signatures (and the log2-based softmax-state convention) of TVM's
 ``_attention_decode_cpu`` / ``_attention_prefill_cpu`` / ``_attention_prefill_ragged_cpu``,
-so the cache calls them in their place; those are single-threaded scalar loops. These
-split the work over cores by (token, query head) and vectorize over the head dim:
+so the cache calls them in their place; those are single-threaded scalar loops. The
+decode and paged-prefill kernels split the work over cores by (token, query head) and
+vectorize over the head dim:
 
-* keys are visited a block (one page, or 16 ragged rows) at a time: the block's scores,
-  their max, one rescale of the running output, then the weighted value rows (online
-  softmax per block); a block is a [rows, d] view of the page or of the ragged K / V;
+* keys are visited a block (one page) at a time: the block's scores, their max, one
+  rescale of the running output, then the weighted value rows (online softmax per block);
+  a block is a [rows, d] view of the page;
 * dot products accumulate VEC lanes at a time, then sum the lanes.
+
+The ragged-prefill kernel (a prompt's tokens attending to each other: most of a prefill's
+attention) takes tiles of 16 queries of one head and vectorizes over the queries instead,
+so no lanes are summed at all (``prefill_ragged``).
 
 Softmax state: scores s = q.k * sm_scale * log2(e); lse = m + log2(sum exp2(s - m)), so the
 cache can merge partial results (prefix blocks, ragged + paged parts) as TVM's do.
@@ -27,6 +32,21 @@ LN2 = math.log(2)
 NEG = -5e4
 VEC = 16
 BLOCK = 16  # keys per block in the ragged kernel
+QT = VEC  # queries per task in the ragged kernel: one vector of lanes
+HALF = 8  # keys whose scores accumulate side by side there
+
+
+def _exp2_poly(x):
+    """2^x for x <= 0 as a vectorizable expression: 2^x = 2^n * 2^f, n = round(x), f in
+    [-1/2, 1/2]: a degree-6 Taylor series of e^(f ln 2) (relative error ~1e-7), 2^n built in
+    the exponent bits. The exp2 intrinsic would be one scalar libm call per key (no vector
+    math library)."""
+    x = T.max(x, T.float32(-126))
+    n = T.floor(x + T.float32(0.5))
+    f = (x - n) * T.float32(LN2)
+    return (T.float32(1) + f * (T.float32(1) + f * (T.float32(1 / 2) + f * (T.float32(1 / 6) + f * (
+        T.float32(1 / 24) + f * (T.float32(1 / 120) + f * T.float32(1 / 720))))))) * T.reinterpret(
+        "float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
 def _core(d: int, dtype: str, block: int):
@@ -75,15 +95,7 @@ def _core(d: int, dtype: str, block: int):
         # The block's weights in one vector pass (rows past ``rows`` are computed from
         # stale scores and never used).
         for j in T.vectorized(block):
-            # 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2]: degree-6 Taylor series of
-            # e^(f ln 2) (relative error ~1e-7), 2^n built in the exponent bits. The exp2
-            # intrinsic would be one scalar libm call per key (no vector math library).
-            x: T.let[T.float32] = T.max(scores[j] - state[0], T.float32(-126))
-            n: T.let[T.float32] = T.floor(x + T.float32(0.5))
-            f: T.let[T.float32] = (x - n) * T.float32(LN2)
-            weights[j] = (T.float32(1) + f * (T.float32(1) + f * (T.float32(1 / 2) + f * (T.float32(1 / 6) + f * (
-                T.float32(1 / 24) + f * (T.float32(1 / 120) + f * T.float32(1 / 720))))))) * T.reinterpret(
-                "float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+            weights[j] = _exp2_poly(scores[j] - state[0])
         for j in T.serial(rows):
             state[1] = state[1] + weights[j]
             for i in T.vectorized(d):
@@ -228,12 +240,21 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
     return batch_prefill_paged_kv_cpu
 
 
+
+
 def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
+    """Attention of each new token to its sequence's new tokens (ragged K / V), in tasks of
+    QT queries of one head: the tile's queries are
+    copied transposed ([d, QT], pre-scaled) once, then each key's scores against all QT
+    queries are one vector (d FMAs with the key's elements broadcast), so the softmax
+    state, the block max and the weights are vectors over queries and nothing is summed
+    across lanes; each query's output row then takes its weights, broadcast, times the
+    value rows. Keys past a query's causal limit (or the sequence) score NEG."""
     if d_qk != d_v:
         raise ValueError("Kiln's ragged CPU kernel needs equal q/k and v head dims")
     d = d_qk
     group = h_q // h_kv
-    lanes, start, attend, finish = _core(d, dtype, BLOCK)
+    scale = T.float32(LOG2E)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -262,30 +283,84 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
         lse = T.match_buffer(var_lse, (qo_len_total, h_q), "float32")
 
         for b in T.serial(batch_size):
-            for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
+            # Tasks head-major: a core's contiguous share of them holds whole heads, so the
+            # causal triangle's cheap and dear tiles spread evenly.
+            for task in T.parallel((q_indptr[b + 1] - q_indptr[b] + QT - 1) // QT * h_q):
                 with T.sblock("attn"):
                     T.reads()  # opaque: the regions depend on the index tables read inside
                     T.writes()
-                    acc = T.sblock_alloc_buffer((d,), "float32")
-                    lane = T.sblock_alloc_buffer((lanes,), "float32")
-                    scores = T.sblock_alloc_buffer((BLOCK,), "float32")
-                    weights = T.sblock_alloc_buffer((BLOCK,), "float32")
-                    state = T.sblock_alloc_buffer((3,), "float32")
-                    h: T.let[T.int32] = th % h_q
-                    token: T.let[T.int32] = q_indptr[b] + th // h_q
+                    qt = T.sblock_alloc_buffer((d, QT), "float32")  # the tile's queries, transposed
+                    st = T.sblock_alloc_buffer((BLOCK, QT), "float32")  # scores, then weights [key, query]
+                    acc = T.sblock_alloc_buffer((QT, d), "float32")
+                    dots = T.sblock_alloc_buffer((HALF, QT), "float32")
+                    row = T.sblock_alloc_buffer((d,), "float32")
+                    m = T.sblock_alloc_buffer((QT,), "float32")
+                    total = T.sblock_alloc_buffer((QT,), "float32")
+                    alpha = T.sblock_alloc_buffer((QT,), "float32")
+                    limit = T.sblock_alloc_buffer((QT,), "int32")  # keys each query sees
+                    qo_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                    tiles: T.let[T.int32] = (qo_len + QT - 1) // QT
+                    h: T.let[T.int32] = task // tiles
+                    row0: T.let[T.int32] = task % tiles * QT  # first query of the tile, in its sequence
+                    rows: T.let[T.int32] = T.min(qo_len - row0, QT)
                     kv_first: T.let[T.int32] = kv_indptr[b]
                     kv_len: T.let[T.int32] = kv_indptr[b + 1] - kv_first
-                    visible: T.let[T.int32] = T.if_then_else(
-                        causal > 0, T.min(kv_len - (q_indptr[b + 1] - q_indptr[b]) + th // h_q + 1, kv_len), kv_len)
-                    start(acc, state)
-                    for blk in T.serial((visible + BLOCK - 1) // BLOCK):
-                        # Rows of one KV head in the ragged [tokens, h_kv, d] layout: stride h_kv * d.
-                        keys = T.decl_buffer((BLOCK, d), dtype, data=k.data, strides=(h_kv * d, 1),
-                                             elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
-                        values = T.decl_buffer((BLOCK, d), dtype, data=v.data, strides=(h_kv * d, 1),
-                                               elem_offset=((kv_first + blk * BLOCK) * h_kv + h // group) * d)
-                        attend(acc, lane, scores, weights, state, q, token, h, keys, values,
-                               T.min(visible - blk * BLOCK, BLOCK), sm_scale)
-                    finish(acc, state, output, lse, token, h)
+                    for r in T.vectorized(QT):
+                        # Causal: query i sees keys j < kv_len - qo_len + i + 1 (bottom-right).
+                        limit[r] = T.if_then_else(causal > 0, T.min(kv_len - qo_len + row0 + r + 1, kv_len), kv_len)
+                        m[r] = T.float32(NEG)
+                        total[r] = T.float32(0)
+                    for c, r in T.grid(d, QT):  # rows past the sequence repeat its last query
+                        qt[c, r] = T.Cast("float32", q[q_indptr[b] + row0 + T.min(r, rows - 1), h, c]) * sm_scale * scale
+                    for r in T.serial(QT):
+                        for c in T.vectorized(d):
+                            acc[r, c] = T.float32(0)
+                    for blk in T.serial((limit[rows - 1] + BLOCK - 1) // BLOCK):
+                        # HALF keys side by side: independent accumulators sharing each load of
+                        # qt[c] (one key at a time is a chain of d dependent FMAs), in a
+                        # buffer small enough to be a stack alloca that LLVM keeps in registers
+                        # (TVM heap-allocates buffers over 1 KB, which LLVM must assume alias).
+                        for half in T.serial(BLOCK // HALF):
+                            for j in T.unroll(HALF):
+                                for r in T.vectorized(QT):
+                                    dots[j, r] = T.float32(0)
+                            for c in T.serial(d):
+                                for j in T.unroll(HALF):
+                                    for r in T.vectorized(QT):
+                                        dots[j, r] = dots[j, r] + T.Cast("float32", k[
+                                            kv_first + T.min(blk * BLOCK + half * HALF + j, kv_len - 1), h // group, c]) * qt[c, r]
+                            for j in T.unroll(HALF):
+                                for r in T.vectorized(QT):
+                                    st[half * HALF + j, r] = T.if_then_else(
+                                        blk * BLOCK + half * HALF + j < limit[r], dots[j, r], T.float32(NEG))
+                        # Per query: the block's max, one rescale, the weights and their sum.
+                        for r in T.vectorized(QT):
+                            alpha[r] = m[r]
+                        for j in T.serial(BLOCK):
+                            for r in T.vectorized(QT):
+                                m[r] = T.max(m[r], st[j, r])
+                        for r in T.vectorized(QT):
+                            alpha[r] = _exp2_poly(alpha[r] - m[r])
+                            total[r] = total[r] * alpha[r]
+                        for j in T.serial(BLOCK):
+                            for r in T.vectorized(QT):
+                                st[j, r] = _exp2_poly(st[j, r] - m[r])
+                                total[r] = total[r] + st[j, r]
+                        for r in T.serial(rows):
+                            for c in T.vectorized(d):  # the row in a stack buffer (see dots)
+                                row[c] = acc[r, c] * alpha[r]
+                            for j in T.serial(T.min(limit[r] - blk * BLOCK, BLOCK)):
+                                for c in T.vectorized(d):
+                                    row[c] = row[c] + st[j, r] * T.Cast(
+                                        "float32", v[kv_first + blk * BLOCK + j, h // group, c])
+                            for c in T.vectorized(d):
+                                acc[r, c] = row[c]
+                    for r in T.serial(rows):
+                        token: T.let[T.int32] = q_indptr[b] + row0 + r
+                        inv: T.let[T.float32] = T.if_then_else(total[r] > T.float32(0), T.float32(1) / total[r],
+                                                               T.float32(0))
+                        for c in T.vectorized(d):
+                            output[token, h, c] = T.Cast(dtype, acc[r, c] * inv)
+                        lse[token, h] = T.if_then_else(total[r] > T.float32(0), m[r] + T.log2(total[r]), T.float32(NEG))
 
     return batch_prefill_ragged_kv

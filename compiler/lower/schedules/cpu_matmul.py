@@ -77,6 +77,7 @@ def _normalized(func, target, keep: tuple[str, ...] = ()):
 
 
 GEMV_MAX_ROWS = 4  # static row counts up to this are scheduled as decode GEMVs
+STAGE_K = 64  # columns of a packed GEMM's weight panel dequantized at a time
 
 
 class CPUMatmulNT(dl.ScheduleRule):
@@ -277,7 +278,14 @@ def _packed_gemm(sch, main, epilogue, dequantize, mt: int, nv: int, vec: int, st
         sch.reorder(p_k, p_n)
         sch.vectorize(p_n)
         if dequantize:
-            _stage_dequantized(sch, dequantize[0], no, vec)
+            # Dequantize STAGE_K columns of the panel's rows at a time ([nv * vec, STAGE_K]
+            # float32, 8 KB: L1-resident while the copy gathers it transposed; the whole
+            # [nv * vec, K] tile is 72-196 KB and would be gathered from L2).
+            k_extent = _static(sch.get(p_k).extent)
+            anchor = no
+            if k_extent is not None and k_extent % STAGE_K == 0 and k_extent > STAGE_K:
+                anchor, _ = sch.split(p_k, [None, STAGE_K])
+            _stage_dequantized(sch, dequantize[0], anchor, vec)
     # Accumulators: a [mt, nv * vec] block compacted per tile (a stack alloca LLVM keeps
     # in registers), written out (through the epilogue) after each tile's K loop.
     acc = sch.cache_write(main, 0, "global")
