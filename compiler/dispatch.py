@@ -10,17 +10,17 @@ from .lower.buckets import static_decode_batches, static_prefill_tokens
 from .targets import TargetSpec
 
 # The largest decode batch ``decode`` still runs, by weight storage, on CPU. Its GEMVs
-# dequantize every weight again for each sequence; ``prefill``'s GEMMs dequantize one tile
-# of rows once for all of them. Measured with ``python -m kiln.bench.dispatch ARTIFACT``
-# (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s; weights in
-# the row-interleaved layout of lower/quant_weights.py):
-#   int8  B=2 152 vs 94,  B=4 164-174 vs 136-148, B=8 185 vs 223   (blocks of 32)
-#   int4  B=2 142 vs 100, B=4 147-150 vs 152,     B=8 173 vs 243   (asymmetric blocks of 32)
-#   fp16  B=8 168 vs 165, B=16 208 vs 221 (a float16 weight costs one conversion)
+# dequantize each weight vector once per tile of four sequences (padded row tiles,
+# lower/quant_weights.py); ``prefill``'s GEMMs dequantize one tile of weight rows once for
+# all of them. Measured with ``python -m kiln.bench.dispatch ARTIFACT --batch 2,4,8,16``
+# (SmolLM2-135M, 2-core Zen 4, 128-token contexts, decode vs prefill tok/s):
+#   int8  B=4 279 vs 163, B=8 286 vs 225, B=16 315 vs 299   (blocks of 32)
+#   int4  B=4 310 vs 197, B=8 318 vs 274, B=16 333 vs 339   (asymmetric blocks of 32)
+#   fp16  B=8 168 vs 165, B=16 208 vs 221 (one row at a time, before the row tiles)
 # float32 weights have nothing to dequantize, and both routes read them as panels in the
 # same padded row tiles (4 rows in decode, 8 in prefill): B=4 221 vs 200, B=16 333-372 vs
 # 248-273; ``decode`` keeps them all.
-_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 4, "int4": 2}
+_CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 16, "int4": 8}
 
 
 def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int) -> Dispatch:

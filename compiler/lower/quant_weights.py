@@ -384,16 +384,22 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
     one tile of rows at a time into a small buffer reused by every row of x. No float copy
     of the whole weight is allocated either way.
 
-    Float32 panels with a dynamic row count M (a decode batch, a prefill remainder) are
-    computed in row tiles of T (8 staged, else 4): ``matmul_row_tiles`` [ceil(M / T), T,
-    rows], the rows past M repeating row M - 1, then copied out. The CPU schedule keeps a
-    tile's T x PANEL outputs in registers with no row predicate in the K loop (TVM cannot
-    split a dynamic loop without one, and one row at a time leaves the FMAs latency-bound)."""
+    Float32 panels with a dynamic row count M (a decode batch, a prefill remainder), and
+    unstaged quantized weights with one (a decode batch), are computed in row tiles of T
+    (8 staged, else 4): ``matmul_row_tiles`` [ceil(M / T), T, rows], the rows past M
+    repeating row M - 1, then copied out. The CPU schedule keeps a tile's outputs in
+    registers with no row predicate in the K loop (TVM cannot split a dynamic loop without
+    one; one row at a time leaves float FMAs latency-bound and dequantizes a quantized
+    weight once per row)."""
 
     def compute(x, *stored):
         lead = list(x.shape[:-1])
-        if storage.kind == "fp32" and storage.tile > 1 and any(not isinstance(d, (int, tirx.IntImm)) for d in lead):
-            return _row_tiles(storage, x, stored, lead, 8 if staged else 4)
+        if any(not isinstance(d, (int, tirx.IntImm)) for d in lead):
+            if storage.kind == "fp32" and storage.tile > 1:
+                return _row_tiles(storage, x, stored, lead, 8 if staged else 4)
+            if not staged and storage.kind != "fp32":
+                # A decode batch: each dequantized weight vector feeds a tile of rows.
+                return _row_tiles(storage, x, stored, lead, 4)
         if staged and storage.kind != "fp32":  # panels are read as they are stored
             w = te.compute((storage.rows, storage.cols),
                            lambda r, c: dequant_value(storage, stored, r, c), name=DEQUANTIZE_W)
@@ -430,7 +436,10 @@ def _row_tiles(storage: WeightStorage, x, stored, lead: list, t: int):
             r = r * d + i
         return r
 
-    tiles = te.compute(((m + t - 1) // t, t, storage.rows),
+    # ceil(M / T) written (M - 1) // T + 1: the form TVM's region analysis matches against
+    # the copy's reads of row // T (with (M + T - 1) // T it cannot prove them covered and
+    # refuses compute-at in the kernel).
+    tiles = te.compute(((m - 1) // t + 1, t, storage.rows),
                        lambda i, j, n: te.sum(x[(*unflatten(tirx.min(i * t + j, m - 1)), k)]
                                               * dequant_value(storage, stored, n, k), axis=k),
                        name=ROW_TILES)

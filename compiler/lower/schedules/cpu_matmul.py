@@ -323,9 +323,74 @@ def _row_tiled(func, target, vec: int | None):
     block = sch.get(main)
     panel = max((_panel_width(r, block) for r in block.reads), default=0)
     vec = vec or vector_lanes(target)
-    if not panel or panel % vec:
-        return None
     consumers = [b.block_rv for b in infos if b is not tiles[0]]
+    if not panel:
+        if not _quantized_tile_reads(block):
+            return None
+        _k_lane_tiles(sch, main, vec)
+    elif panel % vec:
+        return None
+    else:
+        _broadcast_tiles(sch, main, panel, vec)
+    for b in consumers:
+        *rows, cols = sch.get_loops(b)
+        dynamic = [r for r in rows if _static(sch.get(r).extent) is None]
+        if dynamic:
+            sch.parallel(dynamic[-1])  # prefill (batch, seq): seq; decode (batch, 1): batch
+        if _static(sch.get(cols).extent) is not None and _static(sch.get(cols).extent) % vec == 0:
+            _, lanes = sch.split(cols, [None, vec])
+            sch.vectorize(lanes)
+    return sch
+
+
+def _quantized_tile_reads(block) -> bool:
+    """The row-tile block reads x at (rows of t, j; k) and weight-side buffers at
+    expressions of n and k alone (a dequantized weight, ``_dequantized_nt``'s form)."""
+    t, j, n, k = (iv.var for iv in block.iter_vars)
+    a_reads = 0
+    for r in block.reads:
+        if not _one_element(r):
+            return False
+        used = [v for e in (x.min for x in r.region) for v in tirx.analysis.undefined_vars(e)]
+        if any(v.same_as(t) or v.same_as(j) for v in used):
+            a_reads += 1
+        elif not all(v.same_as(n) or v.same_as(k) for v in used):
+            return False
+    return a_reads == 1
+
+
+def _k_lane_tiles(sch, main, vec: int) -> None:
+    """A quantized decode batch in row tiles: the K-lane form (``CPUMatmulNT``) with the
+    tile's T rows side by side, so each dequantized weight vector feeds T FMAs. T x nt
+    accumulators of vec lanes stay under TVM's 1 KB stack-allocation limit (a larger
+    block goes to the heap, where LLVM must store it after every FMA): nt = 3, or 2."""
+    t, j, n, k = sch.get_loops(main)
+    k_extent, n_extent, rows = (_static(sch.get(loop).extent) for loop in (k, n, j))
+    ko, ki = sch.split(k, [None, vec])
+    rf = sch.rfactor(ki, factor_axis=3)  # rf[t, j, n, lane]
+    r_t, r_j, r_n, r_ko, r_ki = sch.get_loops(rf)
+    nt = 3 if n_extent % 3 == 0 and rows * 3 * vec * 4 < 1024 else 2 if n_extent % 2 == 0 else 1
+    r_no, r_ni = sch.split(r_n, [None, nt])
+    loops = [r_ko]
+    if k_extent % (2 * vec) == 0:  # a block's scale once per two vectors, as in the GEMV
+        loops = list(sch.split(r_ko, [None, 2]))
+    sch.reorder(r_no, r_t, *loops, r_ni, r_j, r_ki)
+    if len(loops) == 2:
+        sch.unroll(loops[1])
+    sch.unroll(r_ni)
+    sch.unroll(r_j)
+    sch.vectorize(r_ki)
+    sch.parallel(r_no)
+    sch.reverse_compute_at(main, r_t, preserve_unit_loops=True)
+    n_iters = len(sch.get(main).iter_vars)
+    lane_loop, *rest = sch.get_loops(main)[-n_iters:]
+    if _static(sch.get(lane_loop).extent) == vec:
+        sch.reorder(*rest, lane_loop)
+    sch.decompose_reduction(rf, loops[0])
+
+
+def _broadcast_tiles(sch, main, panel: int, vec: int) -> None:
+    """Float32 panels in row tiles: ``_packed_gemm``'s broadcast form with T rows."""
     t, j, n, k = sch.get_loops(main)
     no, ni = sch.split(n, [None, panel])
     sch.reorder(no, t, k, j, ni)
@@ -337,15 +402,6 @@ def _row_tiled(func, target, vec: int | None):
     init = sch.decompose_reduction(main, k)
     _, lanes = sch.split(sch.get_loops(init)[-1], [None, vec])
     sch.vectorize(lanes)
-    for b in consumers:
-        *rows, cols = sch.get_loops(b)
-        dynamic = [r for r in rows if _static(sch.get(r).extent) is None]
-        if dynamic:
-            sch.parallel(dynamic[-1])  # prefill (batch, seq): seq; decode (batch, 1): batch
-        if _static(sch.get(cols).extent) is not None and _static(sch.get(cols).extent) % vec == 0:
-            _, lanes = sch.split(cols, [None, vec])
-            sch.vectorize(lanes)
-    return sch
 
 
 def _dequantized_nt(reads, iter_vars) -> bool:
