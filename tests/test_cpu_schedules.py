@@ -153,7 +153,7 @@ def test_panel_weights_take_the_broadcast_matmul(rows, staged):
     lead = [tirx.Var(d, "int64") if isinstance(d, str) else d for d in rows]
     x = te.placeholder((*lead, k), "float32", "x")
     panels = te.placeholder((n // PANEL, k, PANEL), "float32", "w")
-    y = matmul_nt_te(storage, staged=staged)(x, panels)
+    y = matmul_nt_te(storage, staged=staged, row_tiles=True)(x, panels)
     func = te.create_prim_func([x, panels, y]).with_attr("global_symbol", "main")
     target = parse_target("llvm").tvm_target()
     sch = CPUMatmulNT().apply(func, target, False)

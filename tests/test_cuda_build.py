@@ -79,3 +79,21 @@ def test_cuda_artifact_generates_like_the_cpu_artifact(compiled):
     cpu = Engine.load(compiled("llama", "llvm")).generate("The quick brown fox", max_tokens=16, ignore_eos=True)
     gpu = Engine.load(compiled("llama", "cuda:sm_90")).generate("The quick brown fox", max_tokens=16, ignore_eos=True)
     assert gpu.token_ids == cpu.token_ids
+
+
+def test_quantized_cuda_artifact_builds(checkpoint, tmp_path):
+    """int4 weights for sm_90: the dequantizing kernels keep the plain form GPU rules
+    schedule (the CPU's padded row tiles and float32 panels are CPU-only), and the params
+    keep their storage: packed nibbles, float16 scales, float32 weights nowhere as panels."""
+    from kiln.compiler.compile import CompileOptions, compile_model
+    from kiln.compiler.targets import parse_target
+    from kiln.runtime.artifact import load_manifest
+    from kiln.runtime.quantization import parse_quant
+
+    folder = compile_model(checkpoint("llama"), tmp_path / "artifact",
+                           CompileOptions(parse_target("cuda:sm_90"), quant=parse_quant("int4-g32")))
+    m = load_manifest(folder)
+    assert m.quantization == "int4-g32" and m.target.arch == "sm_90"
+    assert any(p.dtype == "uint8" for p in m.params)
+    assert all(len(p.shape) <= 2 for p in m.params)
+    assert _fatbins(folder / "model.so")

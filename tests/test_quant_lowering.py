@@ -342,7 +342,8 @@ def test_decode_batch_takes_row_tiles(kind):
     m = tvm.tirx.Var("batch", "int64")
     xp = te.placeholder((m, 1, cols), "float32", "x")
     params = [te.placeholder(shape, dtype, name) for name, (shape, dtype) in specs.items()]
-    sch = CPUMatmulNT().apply(te.create_prim_func([xp, *params, matmul_nt_te(storage)(xp, *params)]), target, False)
+    y = matmul_nt_te(storage, row_tiles=True)(xp, *params)
+    sch = CPUMatmulNT().apply(te.create_prim_func([xp, *params, y]), target, False)
     assert "matmul_row_tiles" in sch.mod.script()
     lib = tvm.compile(sch.mod, target=target)
     for batch in (1, 4, 5):

@@ -40,7 +40,8 @@ def relax_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelC
     ``static_dims``: the static buckets (``buckets.py``)."""
     from tvm import relax
 
-    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=target.kind == "llvm")
+    cpu = target.kind == "llvm"
+    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=cpu, row_tiles=cpu)
     bb = relax.BlockBuilder(mod)
     add_kv_cache_factory(bb, config, target.tvm_target())
     mod = bb.get()

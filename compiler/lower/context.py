@@ -38,6 +38,9 @@ class ConvertContext:
     # The function reads many tokens per sequence (prefill): each weight is reused by many
     # activation rows, so quantized matmuls dequantize weight tiles once, not per row.
     many_tokens: bool = False
+    # Matmuls over a dynamic row count run in padded row tiles (CPU targets;
+    # ``quant_weights.matmul_nt_te``).
+    row_tiles: bool = False
 
     def dim(self, name: str) -> tirx.Var | tirx.IntImm:
         if name not in self.dims:

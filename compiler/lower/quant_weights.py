@@ -375,7 +375,7 @@ DEQUANTIZE_W = "dequantize_w"  # the matmul kernel's weight stage (schedules/cpu
 ROW_TILES = "matmul_row_tiles"  # a panel matmul's padded row tiles (below)
 
 
-def matmul_nt_te(storage: WeightStorage, staged: bool = False):
+def matmul_nt_te(storage: WeightStorage, staged: bool = False, row_tiles: bool = False):
     """TE: x [..., cols] @ W.T with W the stored [rows, cols] -> [..., rows], one kernel.
 
     Unstaged (decode: few rows of x), the weight is dequantized inside the reduction, in
@@ -384,8 +384,9 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
     one tile of rows at a time into a small buffer reused by every row of x. No float copy
     of the whole weight is allocated either way.
 
-    Float32 panels with a dynamic row count M (a decode batch, a prefill remainder), and
-    unstaged quantized weights with one (a decode batch), are computed in row tiles of T
+    With ``row_tiles`` (CPU targets: GPU rules schedule the plain form), float32 panels
+    with a dynamic row count M (a decode batch, a prefill remainder), and unstaged
+    quantized weights with one (a decode batch), are computed in row tiles of T
     (8 staged, else 4): ``matmul_row_tiles`` [ceil(M / T), T, rows], the rows past M
     repeating row M - 1, then copied out. The CPU schedule keeps a tile's outputs in
     registers with no row predicate in the K loop (TVM cannot split a dynamic loop without
@@ -394,7 +395,7 @@ def matmul_nt_te(storage: WeightStorage, staged: bool = False):
 
     def compute(x, *stored):
         lead = list(x.shape[:-1])
-        if any(not isinstance(d, (int, tirx.IntImm)) for d in lead):
+        if row_tiles and any(not isinstance(d, (int, tirx.IntImm)) for d in lead):
             if storage.kind == "fp32" and storage.tile > 1:
                 return _row_tiles(storage, x, stored, lead, 8 if staged else 4)
             if not staged and storage.kind != "fp32":

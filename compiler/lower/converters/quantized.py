@@ -73,7 +73,8 @@ def fused_matmul(ctx, node, inputs, transpose_b: bool = False) -> relax.Expr | N
     # Pattern "out-element-wise fusable", as TVM gives its own matmuls: element-wise
     # consumers (bias, residual, SiLU * up) fuse after it, producers stay separate kernels,
     # so the kernel keeps the one-activation-read shape the CPU NT schedule expects.
-    return ctx.bb.emit_te(matmul_nt_te(ref.storage, staged=ctx.many_tokens), inputs[0], *ref.args,
+    return ctx.bb.emit_te(matmul_nt_te(ref.storage, staged=ctx.many_tokens, row_tiles=ctx.row_tiles),
+                          inputs[0], *ref.args,
                           primfunc_name_hint=f"{ref.storage.kind}_matmul",
                           primfunc_attrs={"op_pattern": OUT_EWISE_FUSABLE})
 
