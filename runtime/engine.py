@@ -5,37 +5,43 @@
     for delta in engine.stream([{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1):
         print(delta.text, end="", flush=True)
 
-Every request, from any thread, goes through one engine loop (a background thread): each
-step the scheduler plans "n tokens for sequence s" chunks under a token budget, the
-executor runs them in one forward, the sampler picks one token per sequence that needs
-one, and each token is detokenized and streamed. A prompt is a string (tokenized with the
-tokenizer's BOS rule) or a list of chat messages (rendered by the model's chat template).
+``Engine`` is the client side; ``EngineCore`` (core.py) owns the scheduler, the KV cache
+and every request's state on its own thread. A call here validates and tokenizes on the
+caller's thread, hands the request to the core through a queue that never blocks on a
+step, and returns the request's stream; tokens arrive in it as the core produces them.
+Stats come from the snapshot the core publishes each step. Nothing a client calls waits
+for a forward pass. (TVM's kernels release the GIL, so the core and the callers' threads
+share one process: measured with ``bench/serving_load.py``.)
+
+A prompt is a string (tokenized with the tokenizer's BOS rule), a list of token ids, or a
+list of chat messages (rendered by the model's chat template).
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from .artifact import Manifest, load_manifest, verify_files
-from .detokenizer import IncrementalDetokenizer
+from .core import AbortRequest, AddRequest, EngineCore, EngineStats, FinishAll, RequestRecord, RunInCore, Stop
 from .device import open_device
 from .errors import InvalidRequestError, KilnError, PromptTooLongError
-from .executor import CacheConfig, Chunk, PagedExecutor
+from .executor import CacheConfig, PagedExecutor
 from .metrics import EngineMetrics
 from .model_config import ModelConfig
 from .outputs import Completion, Delta
-from .sampling import SampleState, SamplingParams, make_generators, sample_rows
-from .scheduler import POLICIES, Scheduler, SchedulerConfig, Seq
-from .stop import StopMatcher
+from .sampling import SamplingParams
+from .scheduler import POLICIES, Scheduler, SchedulerConfig
 from .stream import RequestCancelled, RequestStream
 from .tokenizer import Message, Tokenizer
 
@@ -47,81 +53,74 @@ class EngineOverloadedError(KilnError):
     """Too many requests are waiting; try again later."""
 
 
+class EngineUnavailableError(KilnError):
+    """The engine is shutting down, closed, or has failed; try again later (elsewhere)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Serving limits, validated once. ``max_total_tokens``: KV-cache capacity in tokens
-    over all sequences (default: the context window, at least 8192);
-    ``max_batched_tokens``: tokens per step (the prefill chunk); ``max_waiting``: queued
-    requests beyond which ``submit`` refuses new ones."""
+    over all sequences (default: the context window, at least 8192; never less than one
+    full-context sequence); ``max_batched_tokens``: tokens per step (the prefill chunk);
+    None: the artifact's largest static prefill bucket (128 tokens on CPU: a step then runs
+    in one static piece, and the streams decoding beside a prefill wait ~2 decode steps,
+    not ~6 as with 512; a lone prompt's prefill takes as long either way), else 512;
+    ``max_waiting``: queued requests beyond which ``submit`` refuses new ones;
+    ``stall_timeout_s``: a core that publishes nothing for this long is reported
+    unhealthy."""
 
     max_num_seqs: int = 16
     max_total_tokens: int | None = None
-    max_batched_tokens: int = 512
+    max_batched_tokens: int | None = None
     watermark: float = 0.01
     policy: str = "fcfs"
     prefix_reuse: bool = True
     max_waiting: int = 256
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_batched_tokens", "max_waiting"):
             value = getattr(self, name)
+            if value is None and name == "max_batched_tokens":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
                                                   or self.max_total_tokens < 1):
             raise ValueError(f"max_total_tokens must be a positive integer, got {self.max_total_tokens!r}")
-        if self.max_batched_tokens < self.max_num_seqs:
+        if self.max_batched_tokens is not None and self.max_batched_tokens < self.max_num_seqs:
             raise ValueError("max_batched_tokens must be >= max_num_seqs (each running sequence decodes a token)")
         if not 0.0 <= self.watermark < 0.5:
             raise ValueError(f"watermark must be in [0, 0.5), got {self.watermark}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-
-
-@dataclass(eq=False)
-class _Sample:
-    seq: Seq
-    state: SampleState
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    budget: int
-    finished: bool = False
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    params: SamplingParams
-    stream: RequestStream
-    samples: list[_Sample] = field(default_factory=list)
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
 
 class Engine:
     def __init__(self, model: ModelConfig, executor, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  manifest: Manifest | None = None, folder: Path | None = None, background: bool = True):
-        """``background=False``: no engine thread; the caller drives ``step()`` (tests)."""
+        """``background=False``: no core thread; the caller drives ``step()`` (tests)."""
         self._background = background
         self.config = model
-        self.engine_config = config or EngineConfig()
+        self.engine_config = _resolved(config or EngineConfig(), manifest)
         self.manifest = manifest
         self.folder = folder
         self.tokenizer = tokenizer
-        self._executor = executor
-        ec = self.engine_config
-        total = ec.max_total_tokens or max(model.context_length, 8192)
-        # One sequence must always fit, so a lone long generation can never stall.
-        total = max(total, model.context_length + executor.page_size)
-        self._cache_config = CacheConfig(max_batch_size=ec.max_num_seqs, max_total_tokens=total,
-                                         prefill_chunk_size=ec.max_batched_tokens, page_size=executor.page_size)
-        self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Sample] = {}
         self.metrics = EngineMetrics()
-        self._thread: threading.Thread | None = None
+        cache_config, scheduler_config = _sizes(model, executor.page_size, self.engine_config)
+        self.core = EngineCore(executor, cache_config, scheduler_config, self.metrics, self._dequeued)
+        # Guards the client-side registry below; held for a few dict operations, never
+        # across a step (the core never takes it while it computes).
+        self._lock = threading.Lock()
+        self._live: dict[str, RequestStream] = {}
+        self._queued = 0  # requests submitted and not yet scheduled (bounded by max_waiting)
+        self._draining = False
         self._closed = False
+        self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._reset_state()
+        self.metrics.read_gauges_from(self._gauges)
 
     @classmethod
     def load(cls, path: str | Path, config: EngineConfig | None = None, device_id: int = 0,
@@ -136,51 +135,65 @@ class Engine:
         tokenizer = Tokenizer.from_folder(folder, manifest.model.eos_token_ids)
         return cls(manifest.model, executor, tokenizer, config, manifest, folder, background)
 
-    def _reset_state(self) -> None:
-        self.cache = self._executor.create_cache(self._cache_config)
-        ec = self.engine_config
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=ec.max_num_seqs, max_batched_tokens=ec.max_batched_tokens,
-            total_pages=self.cache.total_pages, page_size=self._cache_config.page_size,
-            watermark_pages=int(self.cache.total_pages * ec.watermark), policy=ec.policy,
-            prefix_reuse=ec.prefix_reuse))
+    # The core's state, for tests and tools that drive ``step()`` themselves.
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def cache(self):
+        return self.core.cache
+
+    @property
+    def _executor(self):
+        return self.core.executor
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt served: the context window less one output token (the KV
+        cache is sized to hold it)."""
+        return min(self.config.context_length - 1, self.scheduler.config.max_prompt_tokens)
 
     # -- public API -----------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, on_token: Callable[[Delta], None] | None = None,
                **overrides) -> RequestStream:
-        """Queue a request; returns its stream at once. Bad input raises here, before any
-        work is queued. ``on_token`` runs on the engine thread for every delta."""
+        """Queue a request; returns its stream at once (never waits for a step). Bad input
+        raises here, before any work is queued; so does a full queue
+        (EngineOverloadedError) or a draining / closed engine (EngineUnavailableError).
+        The prompt is tokenized on the caller's thread. ``on_token`` runs on the core
+        thread for every delta; if it raises, the request fails."""
         params = _params(params, overrides)
         params.check_vocab(self.config.vocab_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority", "must be an integer")
         prompt_ids = self.encode_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        stream = RequestStream(request_id, params.n, len(prompt_ids), self.abort, on_token)
+        stream = RequestStream(request_id, params.n, len(prompt_ids), self.abort, on_token, self._stream_ended)
         # Output budget: max_tokens, and what the context window leaves after the prompt.
         budget = min(params.max_tokens, self.config.context_length - len(prompt_ids))
         end_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                         else self.tokenizer.eos_token_ids)
+        record = RequestRecord.create(request_id, params, prompt_ids, priority, stream, self.tokenizer, end_ids,
+                                      budget)
         with self._lock:
-            if self._closed:
-                raise KilnError("the engine is closed")
-            if request_id in self._requests:
+            if self._closed or self._draining:
+                self.metrics.on_reject()
+                raise EngineUnavailableError("the engine is shutting down" if self._draining
+                                             else "the engine is closed")
+            if self.core.dead is not None:
+                raise EngineUnavailableError(f"the engine has failed ({self.core.dead})")
+            if request_id in self._live:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-            if len(self.scheduler.waiting) >= self.engine_config.max_waiting:
-                self.metrics.rejected += 1
+            if self._queued >= self.engine_config.max_waiting:
+                self.metrics.on_reject()
                 raise EngineOverloadedError(
-                    f"{len(self.scheduler.waiting)} requests are already waiting (max_waiting); retry later")
-            seqs = self.scheduler.add_request(request_id, prompt_ids, params.n, priority)
-            req = _Request(request_id, params, stream)
-            for seq, rng in zip(seqs, make_generators(params.seed, params.n)):
-                req.samples.append(_Sample(
-                    seq, SampleState(params, rng, prompt_ids, end_ids),
-                    IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop), budget))
-            self._requests[request_id] = req
-            self.metrics.on_submit(request_id)
-            self._ensure_thread()
-            self._wake.notify_all()
+                    f"{self._queued} requests are already waiting (max_waiting); retry later")
+            self._live[request_id] = stream
+            self._queued += 1
+        self.metrics.on_submit()
+        self.core.inbox.put(AddRequest(record))
+        self._ensure_thread()
         return stream
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -206,24 +219,29 @@ class Engine:
         return iter(self.submit(prompt, params, priority=priority, **overrides))
 
     def astream(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0, **overrides):
-        """``async for`` over the deltas (same semantics as ``stream``)."""
+        """``async for`` over the deltas (same semantics as ``stream``). The prompt is
+        tokenized on the calling thread: from an event loop, submit in a worker thread."""
         return self.submit(prompt, params, priority=priority, **overrides).__aiter__()
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request: its pages are freed now (at most one running step later)."""
+        """Cancel a request: its stream ends now with RequestCancelled, and the core frees
+        its pages before its next step. False if no such request is running."""
         with self._lock:
-            req = self._requests.pop(request_id, None)
-            if req is None:
-                return False
-            for sample in req.samples:
-                self._release(sample)
-            self.metrics.on_abort(request_id)
-        req.stream.fail(RequestCancelled(f"request {request_id} was cancelled"))
-        return True
+            stream = self._live.get(request_id)
+        if stream is None:
+            return False
+        cancelled = stream.fail(RequestCancelled(f"request {request_id} was cancelled"))
+        self.core.inbox.put(AbortRequest(request_id))
+        return cancelled
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A string, chat messages, or token ids -> token ids (validated)."""
+        limit = self.max_prompt_tokens
         if isinstance(prompt, str):
+            # A text longer than the limit times the longest token's text cannot fit: refuse
+            # it before tokenizing (which takes ~1 us a character).
+            if len(prompt) > (limit + 1) * self.tokenizer.max_token_chars:
+                raise PromptTooLongError(f"prompt: {len(prompt)} characters cannot fit the {limit}-token limit")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in prompt):
@@ -238,158 +256,152 @@ class Engine:
             raise InvalidRequestError("prompt", "must be a string, token ids, or a list of chat messages")
         if not ids:
             raise InvalidRequestError("prompt", "is empty after tokenization")
-        if len(ids) >= self.config.context_length:
+        if len(ids) > limit:
             raise PromptTooLongError(
-                f"prompt: {len(ids)} tokens do not fit the context window of {self.config.context_length} "
-                f"tokens (at least one must be left for the output)"
-            )
+                f"prompt: {len(ids)} tokens do not fit: at most {limit} prompt tokens (a context window of "
+                f"{self.config.context_length} tokens, at least one left for the output)")
         return ids
 
-    def stats(self) -> dict:
-        with self._lock:
-            return {
-                "waiting": len(self.scheduler.waiting) + len(self.scheduler.pending_forks),
-                "running": len(self.scheduler.running),
-                "kv_pages_total": self.cache.total_pages,
-                "kv_pages_used": self.cache.total_pages - self.cache.available_pages(),
-                "prefix_holders": len(self.scheduler.prefix) if self.scheduler.prefix else 0,
-            }
+    def stats(self) -> EngineStats:
+        """The snapshot the core published after its last step (never waits for one)."""
+        return self.core.stats
+
+    def health(self) -> EngineHealth:
+        """Whether the core is alive and making progress (for ``/health``)."""
+        stats = self.core.stats
+        silent = time.monotonic() - stats.published_at
+        if self.core.dead is not None:
+            return EngineHealth(False, f"the engine core failed: {self.core.dead}", silent)
+        if self._background and self._thread is not None and not self._thread.is_alive() and not self._closed:
+            return EngineHealth(False, "the engine core thread has died", silent)
+        if self._background and silent > self.engine_config.stall_timeout_s:
+            return EngineHealth(False, f"the engine core has made no progress for {silent:.0f} s", silent)
+        return EngineHealth(True, "ok", silent)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def idle(self) -> bool:
+        """No request is live, queued or holding pages."""
         with self._lock:
-            return not self._requests and not self.scheduler.has_work()
+            live = bool(self._live)
+        stats = self.core.stats
+        return not live and self.core.inbox.empty() and not stats.running and not stats.waiting \
+            and not stats.requests
+
+    def drain(self, timeout: float, reason: str = "abort") -> bool:
+        """Graceful shutdown: refuse new requests, let running ones finish for up to
+        ``timeout`` seconds, then end the rest with a final delta whose finish reason is
+        ``reason``. True if every request finished on its own."""
+        with self._lock:
+            self._draining = True
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.idle():
+            return True
+        log.warning("shutdown: ending %d requests still running after %.1f s", len(self._live), timeout)
+        self.core.inbox.put(FinishAll(reason))
+        self._ensure_thread()
+        deadline = time.monotonic() + 10.0
+        while not self.idle() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return False
+
+    def run_in_core(self, fn: Callable[[], object], timeout: float = 60.0):
+        """Run ``fn()`` on the core between two steps and return its result: for tests and
+        tools that inspect the core's state (this does wait for the step in flight)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.core.inbox.put(RunInCore(fn, future))
+        if not self._background:
+            self.core.step()
+        else:
+            self._ensure_thread()
+        return future.result(timeout)
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._wake.notify_all()
-            pending = list(self._requests)
-        for rid in pending:
-            self.abort(rid)
+            live = list(self._live.values())
+        for stream in live:
+            stream.fail(EngineUnavailableError("the engine was closed"))
+        self.core.inbox.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Apply queued requests and aborts, then run one step (``background=False``)."""
+        return self.core.step()
+
+    # -- internals ------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if not self._background:
             return
-        if self._thread is None or not self._thread.is_alive():
-            first = self._thread is None
-            self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
-            self._thread.start()
-            if first:
-                # The loop thread is a daemon (it must not keep a program alive), but one
-                # still inside the TVM runtime while the interpreter tears down aborts the
-                # process ("terminate called without an active exception"): a caller that
-                # got its last token returns while the loop still frees the sequence's
-                # pages. Join it at exit, before teardown.
-                atexit.register(_close_at_exit, weakref.ref(self))
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and not self.scheduler.has_work():
-                    self._wake.wait()
-                if self._closed:
-                    return
-                try:
-                    self.step()
-                except Exception as err:  # a failed step must not take the engine down
-                    log.exception("engine step failed")
-                    self._fail_all(err)
-
-    def step(self) -> bool:
-        """Run one scheduling step (the loop thread calls this; tests may too)."""
         with self._lock:
-            plan = self.scheduler.schedule()
-            self._apply(plan.ops)
-            if not plan.chunks:
-                return bool(plan.ops)
-            started = time.perf_counter()
-            chunks = [Chunk(c.seq.seq_id, c.tokens, c.start, None if c.needs_logits else ())
-                      for c in plan.chunks]
-            logits = self._executor.forward(self.cache, chunks)
-            self._apply(self.scheduler.commit(plan))
-            rows, samples = [], []
-            row = 0
-            for c in plan.chunks:
-                if not c.needs_logits:
-                    continue
-                owner = self._sample_of(c.seq)
-                if owner is not None:
-                    # Samples that fork from this prompt take their first token from its logits.
-                    group = [owner] + [self._sample_of(ch) for ch in c.seq.children
-                                       if not ch.output and self._sample_of(ch) is not None
-                                       and c.start + len(c.tokens) == len(c.seq.prompt)]
-                    for s in group:
-                        rows.append(row)
-                        samples.append(s)
-                row += 1
-            if samples:
-                tokens, logprobs = sample_rows(logits[rows], [s.state for s in samples])
-                for sample, token, lp in zip(samples, tokens, logprobs):
-                    self._on_token(sample, token, lp)
-            self.metrics.on_step(plan.num_tokens, len(plan.chunks), time.perf_counter() - started,
-                                 len(plan.preempted))
-            return True
+            if self._closed or (self._thread is not None and self._thread.is_alive()):
+                return
+            first = self._thread is None
+            self._thread = threading.Thread(target=self.core.run, name="kiln-engine", daemon=True)
+            self._thread.start()
+        if first:
+            # The core thread is a daemon (it must not keep a program alive), but one
+            # still inside the TVM runtime while the interpreter tears down aborts the
+            # process ("terminate called without an active exception"): a caller that
+            # got its last token returns while the core still frees the sequence's
+            # pages. Join it at exit, before teardown.
+            atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _sample_of(self, seq: Seq) -> _Sample | None:
-        req = self._requests.get(seq.request_id)
-        if req is None or seq.index >= len(req.samples):
-            return None
-        sample = req.samples[seq.index]
-        return None if sample.finished else sample
+    def _stream_ended(self, stream: RequestStream) -> None:
+        with self._lock:
+            if self._live.get(stream.request_id) is stream:
+                del self._live[stream.request_id]
 
-    def _apply(self, ops) -> None:
-        for op in ops:
-            if op.kind == "add":
-                self.cache.add(op.seq_id)
-            elif op.kind == "fork":
-                self.cache.fork(op.parent, op.seq_id, op.position)
-            else:
-                self.cache.remove(op.seq_id)
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
 
-    def _on_token(self, sample: _Sample, token: int, logprobs) -> None:
-        seq = sample.seq
-        req = self._requests.get(seq.request_id)
-        if req is None or sample.finished:
-            return  # cancelled during this step (e.g. from an on_token callback)
-        seq.output.append(token)
-        finish = None
-        if token in sample.state.end_ids:
-            text, finish = sample.stops.feed(sample.detok.flush()) + sample.stops.flush(), "stop"
-        else:
-            text = sample.stops.feed(sample.detok.add(token))
-            if sample.stops.stopped:
-                finish = "stop"
-            elif len(seq.output) >= sample.budget:
-                text += sample.stops.feed(sample.detok.flush())
-                text += sample.stops.flush()
-                finish = "stop" if sample.stops.stopped else "length"
-        self.metrics.on_token(seq.request_id)
-        req.stream.push(Delta(text, token, finish, seq.index, logprobs))
-        if finish is not None:
-            self._release(sample)
-            if all(s.finished for s in req.samples):
-                self._requests.pop(seq.request_id, None)
-                self.metrics.on_finish(seq.request_id)
+    def _gauges(self) -> dict[str, float]:
+        health = self.health()
+        return {**self.core.stats.gauges(), "engine_healthy": float(health.ok), "draining": float(self._draining),
+                "seconds_since_last_step": health.silent_s}
 
-    def _release(self, sample: _Sample) -> None:
-        if not sample.finished:
-            sample.finished = True
-            self._apply(self.scheduler.release(sample.seq))
 
-    def _fail_all(self, err: Exception) -> None:
-        """A step failed: fail every request and start from a clean cache."""
-        failed = list(self._requests.values())
-        self._requests.clear()
-        try:
-            self._reset_state()
-        except Exception:  # noqa: BLE001  (keep the original error for the streams)
-            log.exception("could not reset the KV cache")
-        wrapped = err if isinstance(err, KilnError) else KilnError(f"generation failed: {err}")
-        for req in failed:
-            req.stream.fail(wrapped)
+@dataclass(frozen=True)
+class EngineHealth:
+    ok: bool
+    detail: str
+    silent_s: float  # seconds since the core last published a snapshot
+
+
+def _resolved(config: EngineConfig, manifest: Manifest | None) -> EngineConfig:
+    if config.max_batched_tokens is not None:
+        return config
+    buckets = manifest.dispatch.static_prefill if manifest is not None else ()
+    return dataclasses.replace(config, max_batched_tokens=max(max(buckets, default=512), config.max_num_seqs))
+
+
+def _sizes(model: ModelConfig, page_size: int, ec: EngineConfig) -> tuple[CacheConfig, SchedulerConfig]:
+    """KV-cache and scheduler sizes. Capacity matches what is promised: a prompt of up to
+    context - 1 tokens and its output always fit one sequence alone above the watermark,
+    whatever ``max_total_tokens`` says (the cache grows to that)."""
+    pages_for_context = -(-model.context_length // page_size) + 1
+    total = max(ec.max_total_tokens or max(model.context_length, 8192), model.context_length + page_size)
+    while True:
+        # TVM's cache holds ceil(tokens / page_size) pages plus one (create_kv_cache).
+        total_pages = -(-total // page_size) + 1
+        watermark = int(total_pages * ec.watermark)
+        if total_pages - watermark >= pages_for_context:
+            break
+        total += (pages_for_context - (total_pages - watermark)) * page_size
+    cache = CacheConfig(max_batch_size=ec.max_num_seqs, max_total_tokens=total,
+                        prefill_chunk_size=ec.max_batched_tokens, page_size=page_size)
+    scheduler = SchedulerConfig(max_num_seqs=ec.max_num_seqs, max_batched_tokens=ec.max_batched_tokens,
+                                total_pages=total_pages, page_size=page_size, watermark_pages=watermark,
+                                policy=ec.policy, prefix_reuse=ec.prefix_reuse)
+    return cache, scheduler
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

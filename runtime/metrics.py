@@ -1,143 +1,178 @@
-"""Serving metrics, kept by the engine and rendered in the Prometheus text format.
+"""Serving metrics in Prometheus' data model (``prometheus_client``), one registry per
+engine so several engines in one process never share series.
 
-Histograms: time to first token, inter-token latency, step time. Gauges are read from
-the engine when rendering (queue depth, running requests, KV pages). Counters: requests,
-tokens in and out, preemptions, rejections.
+Histograms: time to first token, inter-token latency (per sample: with n > 1 each sample's
+own gaps), step time, request latency. Counters: requests accepted / finished (by finish
+reason) / aborted / failed / rejected, preemptions, failed steps, prompt and generated
+tokens. Gauges are read at scrape time from the snapshot the engine core publishes each
+step (queue depth, running requests, KV pages held by requests and by the prefix cache),
+so a scrape never waits for the engine.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 RATE_WINDOW_S = 10
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name -> help of the gauges read from the engine's snapshot (``EngineStats.gauges``).
+GAUGES = {
+    "queue_depth": "Requests waiting to be scheduled (new or preempted).",
+    "running_requests": "Sequences in the KV cache this step.",
+    "kv_pages_total": "KV-cache pages in all.",
+    "kv_pages_used": "KV-cache pages in use (by requests or by the prefix cache).",
+    "kv_pages_requests": "KV-cache pages referred to by running requests.",
+    "kv_pages_prefix_cached": "KV-cache pages held only by the prefix cache (evictable).",
+    "kv_page_usage_ratio": "kv_pages_used / kv_pages_total.",
+    "prefix_holders": "Cached prompt prefixes.",
+    "engine_healthy": "1 while the engine core runs and makes progress, else 0.",
+    "draining": "1 while shutting down (new requests are refused).",
+    "seconds_since_last_step": "Time since the engine core last finished a step or polled its queue.",
+}
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+class _TokenRate:
+    """Generated tokens per second over the last RATE_WINDOW_S seconds."""
 
-    def __post_init__(self):
-        self.counts = [0] * (len(self.buckets) + 1)
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buckets: collections.deque[list] = collections.deque()  # [second, tokens]
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
+    def add(self, n: int, now: float) -> None:
+        second = int(now)
+        with self._lock:
+            if self._buckets and self._buckets[-1][0] == second:
+                self._buckets[-1][1] += n
+            else:
+                self._buckets.append([second, n])
+            while self._buckets and self._buckets[0][0] <= second - RATE_WINDOW_S:
+                self._buckets.popleft()
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total:.6f}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+    def per_second(self, now: float) -> float:
+        second = int(now)
+        with self._lock:
+            return sum(n for s, n in self._buckets if s > second - RATE_WINDOW_S) / RATE_WINDOW_S
+
+
+class _Gauges:
+    """A collector that reads the gauges at scrape time from ``source()``."""
+
+    def __init__(self, source: Callable[[], dict[str, float]], rate: _TokenRate, started: float):
+        self._source, self._rate, self._started = source, rate, started
+
+    def collect(self):
+        now = time.time()
+        values = {**self._source(), "generated_tokens_per_second": self._rate.per_second(now)}
+        helps = {**GAUGES, "generated_tokens_per_second": f"Generated tokens per second over the last "
+                                                          f"{RATE_WINDOW_S} s."}
+        for name, value in values.items():
+            family = GaugeMetricFamily(f"kiln_{name}", helps[name])
+            family.add_metric([], float(value))
+            yield family
 
 
 class EngineMetrics:
     def __init__(self):
-        self._lock = threading.Lock()
-        self.started = time.time()
-        self.ttft = Histogram()
-        self.itl = Histogram()
-        self.step_time = Histogram()
-        self.requests = 0
-        self.finished = 0
-        self.aborted = 0
-        self.rejected = 0
-        self.preemptions = 0
-        self.generated_tokens = 0
-        self.processed_tokens = 0
-        self._submitted: dict[str, float] = {}
-        self._last_token: dict[str, float] = {}
-        self._recent: collections.deque[list] = collections.deque()  # [second, tokens] buckets
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kiln_inter_token_latency_seconds",
+                             "Time between consecutive tokens of one sample of a request.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("kiln_step_seconds", "Duration of one engine step (one forward and sampling).",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.request_time = Histogram("kiln_request_seconds", "Time from a request's arrival to its end.",
+                                      buckets=REQUEST_BUCKETS, registry=r)
+        self._requests = Counter("kiln_requests", "Requests accepted.", registry=r)
+        self._finished = Counter("kiln_requests_finished", "Requests finished, by the first sample's finish reason.",
+                                 ["reason"], registry=r)
+        self._aborted = Counter("kiln_requests_aborted", "Requests cancelled by their client or a disconnect.",
+                                registry=r)
+        self._failed = Counter("kiln_requests_failed", "Requests ended by an error.", registry=r)
+        self._rejected = Counter("kiln_requests_rejected", "Requests refused: queue full or shutting down.",
+                                 registry=r)
+        self._preemptions = Counter("kiln_preemptions", "Sequences preempted (recompute) for lack of KV pages.",
+                                    registry=r)
+        self._failed_steps = Counter("kiln_failed_steps", "Engine steps whose forward or KV operations failed.",
+                                     registry=r)
+        self._generated = Counter("kiln_generated_tokens", "Tokens generated.", registry=r)
+        self._processed = Counter("kiln_processed_tokens", "Tokens run through the model (prompts, recomputes, "
+                                                           "decodes).", registry=r)
+        self._rate = _TokenRate()
+        self._gauge_source: Callable[[], dict[str, float]] = dict
+        r.register(_Gauges(lambda: self._gauge_source(), self._rate, time.time()))
 
-    def _count_recent(self, now: float) -> None:
-        second = int(now)
-        if self._recent and self._recent[-1][0] == second:
-            self._recent[-1][1] += 1
+    def read_gauges_from(self, source: Callable[[], dict[str, float]]) -> None:
+        self._gauge_source = source
+
+    # -- written by the engine ----------------------------------------------------------
+    def on_submit(self) -> None:
+        self._requests.inc()
+
+    def on_reject(self) -> None:
+        self._rejected.inc()
+
+    def on_tokens(self, n: int, now_wall: float) -> None:
+        self._generated.inc(n)
+        self._rate.add(n, now_wall)
+
+    def on_step(self, tokens: int, seconds: float, preempted: int) -> None:
+        self._processed.inc(tokens)
+        if preempted:
+            self._preemptions.inc(preempted)
+        self.step_time.observe(seconds)
+
+    def on_failed_step(self) -> None:
+        self._failed_steps.inc()
+
+    def on_end(self, outcome: str, seconds: float) -> None:
+        """A request ended: outcome is a finish reason ("stop", "length", "abort"...),
+        "cancelled" or "failed"."""
+        if outcome == "cancelled":
+            self._aborted.inc()
+        elif outcome == "failed":
+            self._failed.inc()
         else:
-            self._recent.append([second, 1])
-        while self._recent and self._recent[0][0] <= second - RATE_WINDOW_S:
-            self._recent.popleft()
+            self._finished.labels(outcome).inc()
+        self.request_time.observe(seconds)
 
-    def recent_tokens_per_second(self) -> float:
-        now = int(time.time())
-        with self._lock:
-            return sum(n for sec, n in self._recent if sec > now - RATE_WINDOW_S) / RATE_WINDOW_S
+    # -- read ---------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
-    def on_submit(self, request_id: str) -> None:
-        with self._lock:
-            self.requests += 1
-            self._submitted[request_id] = time.perf_counter()
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
 
-    def on_token(self, request_id: str) -> None:
-        now = time.perf_counter()
-        with self._lock:
-            self.generated_tokens += 1
-            self._count_recent(time.time())
-            last = self._last_token.get(request_id)
-            if last is None:
-                start = self._submitted.get(request_id)
-                if start is not None:
-                    self.ttft.observe(now - start)
-            else:
-                self.itl.observe(now - last)
-            self._last_token[request_id] = now
+    @property
+    def requests(self) -> int:
+        return int(self.value("kiln_requests_total"))
 
-    def on_step(self, tokens: int, sequences: int, seconds: float, preempted: int) -> None:
-        with self._lock:
-            self.processed_tokens += tokens
-            self.preemptions += preempted
-            self.step_time.observe(seconds)
+    @property
+    def finished(self) -> int:
+        return int(sum(s.value for m in self._finished.collect() for s in m.samples if s.name.endswith("_total")))
 
-    def on_finish(self, request_id: str) -> None:
-        with self._lock:
-            self.finished += 1
-            self._forget(request_id)
+    @property
+    def aborted(self) -> int:
+        return int(self.value("kiln_requests_aborted_total"))
 
-    def on_abort(self, request_id: str) -> None:
-        with self._lock:
-            self.aborted += 1
-            self._forget(request_id)
+    @property
+    def failed(self) -> int:
+        return int(self.value("kiln_requests_failed_total"))
 
-    def _forget(self, request_id: str) -> None:
-        self._submitted.pop(request_id, None)
-        self._last_token.pop(request_id, None)
+    @property
+    def rejected(self) -> int:
+        return int(self.value("kiln_requests_rejected_total"))
 
-    def render(self, gauges: dict[str, float]) -> str:
-        """Prometheus exposition text; ``gauges`` are current engine readings."""
-        with self._lock:
-            uptime = max(time.time() - self.started, 1e-9)
-            lines = []
-            lines += self.ttft.render("kiln_time_to_first_token_seconds", "Time from request to its first token.")
-            lines += self.itl.render("kiln_inter_token_latency_seconds", "Time between consecutive tokens of a request.")
-            lines += self.step_time.render("kiln_step_seconds", "Duration of one engine step (one forward).")
-            counters = {
-                "kiln_requests_total": (self.requests, "Requests accepted."),
-                "kiln_requests_finished_total": (self.finished, "Requests finished."),
-                "kiln_requests_aborted_total": (self.aborted, "Requests cancelled or disconnected."),
-                "kiln_requests_rejected_total": (self.rejected, "Requests refused because the queue was full."),
-                "kiln_preemptions_total": (self.preemptions, "Sequences preempted for lack of KV pages."),
-                "kiln_generated_tokens_total": (self.generated_tokens, "Tokens generated."),
-                "kiln_processed_tokens_total": (self.processed_tokens, "Tokens run through the model."),
-            }
-            for name, (value, help_text) in counters.items():
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-            average = self.generated_tokens / uptime
-        gauges = {**gauges, "generated_tokens_per_second": self.recent_tokens_per_second(),
-                  "generated_tokens_per_second_since_start": average}
-        for name, value in gauges.items():
-            lines += [f"# TYPE kiln_{name} gauge", f"kiln_{name} {value}"]
-        return "\n".join(lines) + "\n"
+    @property
+    def preemptions(self) -> int:
+        return int(self.value("kiln_preemptions_total"))

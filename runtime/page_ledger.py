@@ -57,6 +57,10 @@ class PageLedger:
     def pages_to_fork(self, pos: int) -> int:
         return 1 if pos % self.page_size else 0
 
+    def pages_of(self, seqs) -> int:
+        """Distinct pages the sequences ``seqs`` refer to (shared pages counted once)."""
+        return len({p for seq in seqs for p in self._pages[seq]})
+
     def pages_freed_by_remove(self, seq: int) -> int:
         return sum(1 for p in self._pages[seq] if self._refs[p] == 1)
 

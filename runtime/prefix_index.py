@@ -26,7 +26,8 @@ class PrefixIndex:
         self.page_size = page_size
         self.max_holders = max_holders
         self._root = _Node()
-        self._holders: OrderedDict[int, tuple[list[_Node], int]] = OrderedDict()  # LRU order
+        # holder -> its path from the root: (page, node) per level. LRU order.
+        self._holders: OrderedDict[int, list[tuple[tuple[int, ...], _Node]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -66,25 +67,27 @@ class PrefixIndex:
 
     def insert(self, holder: int, tokens) -> None:
         """Register ``holder`` as holding the full pages of ``tokens``."""
-        nodes, node = [], self._root
+        path, node = [], self._root
         for page in self._pages(tokens):
             node = node.children.setdefault(page, _Node())
             node.holders.add(holder)
-            nodes.append(node)
-        if not nodes:
+            path.append((page, node))
+        if not path:
             raise ValueError("a holder must cover at least one full page")
-        self._holders[holder] = (nodes, len(nodes) * self.page_size)
+        self._holders[holder] = path
 
     def remove(self, holder: int) -> None:
-        nodes, _ = self._holders.pop(holder)
-        for node in nodes:
+        """Forget ``holder`` and prune the nodes no holder covers any more: a loop up the
+        holder's own path (a prompt of thousands of pages is as deep a trie; no recursion)."""
+        path = self._holders.pop(holder)
+        for _, node in path:
             node.holders.discard(holder)
-        self._prune(self._root)
-
-    def _prune(self, node: _Node) -> bool:
-        for key in [k for k, child in node.children.items() if self._prune(child)]:
-            del node.children[key]
-        return not node.holders and not node.children
+        for depth in range(len(path) - 1, -1, -1):
+            page, node = path[depth]
+            if node.holders or node.children:
+                break
+            parent = path[depth - 1][1] if depth else self._root
+            del parent.children[page]
 
     def least_recently_used(self) -> int | None:
         return next(iter(self._holders), None)

@@ -23,6 +23,12 @@ import numpy as np
 from .errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
+# Total characters over all stop strings. Matching costs O(number of stops) per generated
+# character whatever their length (stop.py), but each stop's failure table is built per
+# request and the longest stop sets how much text may be held back from the stream, so
+# the total is bounded too. Real stop strings are short (end markers, "\n\nUser:"); 4096
+# still allows all 16 at 256 characters, and keeps a request's tables under ~200 KB.
+MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
 MAX_N = 16
 
@@ -66,6 +72,10 @@ class SamplingParams:
             raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(s == "" for s in stop):
             raise InvalidRequestError("stop", "stop strings must not be empty")
+        total = sum(len(s) for s in stop)
+        if total > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                "stop", f"stop strings may total at most {MAX_STOP_CHARS} characters, got {total}")
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.stop_token_ids, (tuple, list)):
             raise InvalidRequestError("stop_token_ids", "must be a list of token ids")
@@ -169,19 +179,25 @@ def process_logits(logits: np.ndarray, state: SampleState) -> np.ndarray:
         seen = np.unique(np.concatenate([np.asarray(state.prompt, dtype=np.int64),
                                          np.fromiter(state.output_counts, dtype=np.int64)]))
         vals = x[seen]
-        x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        with np.errstate(over="ignore"):
+            x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and state.output_counts:
         ids = np.fromiter(state.output_counts, dtype=np.int64)
         counts = np.fromiter(state.output_counts.values(), dtype=np.float64)
         x[ids] -= p.presence_penalty + p.frequency_penalty * counts
     if state.num_output < p.min_tokens and state.end_ids:
         x[np.fromiter(state.end_ids, dtype=np.int64)] = -np.inf
-    return x
+    # A tiny repetition_penalty overflows a logit to +inf: keep it the largest finite
+    # value (those tokens share the mass) rather than let inf - inf poison the row.
+    return np.nan_to_num(x, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
 
 
 def sampling_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The probabilities [V] (float64) a non-greedy draw uses, from processed logits."""
-    x = x / params.temperature
+    # Shift before dividing: logits / a tiny temperature (5e-324 is valid) would overflow
+    # to inf and the softmax to NaN; shifted, they go to -inf and the draw to the argmax.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        x = (x - x.max()) / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]

@@ -1,9 +1,10 @@
 """Continuous batching policy, in plain Python (no TVM, no engine, no sampling).
 
-Every step the scheduler emits one plan: the KV-cache operations to apply (add, fork,
-remove) and "n tokens for sequence s" chunks to run in one forward. Prefill, chunked
-prefill and decode are all chunks; a sequence needs logits when its chunk reaches its
-last known token.
+Every step the scheduler emits one narrow message, ``SchedulerOutput``: the typed
+KV-cache operations to apply first (add, fork, remove), then for each scheduled sequence
+the tokens it computes this step, the logits row it samples from (if its chunk reaches its
+last known token) and the samples that row feeds. Prefill, chunked prefill and decode are
+all "n tokens for sequence s".
 
 * Budget: at most ``max_batched_tokens`` tokens and ``max_num_seqs`` sequences per step.
   Running sequences go first (decodes, then unfinished prefills, in policy order), then
@@ -17,6 +18,10 @@ last known token.
   (``PrefixIndex``); later prompts with the same leading pages fork from it.
 * n > 1 samples: sample 0 prefills the prompt; the others fork from it once the prompt
   is computed and take their first token from the same logits.
+* Failed steps: every sequence of a step whose forward failed is dropped and waits again
+  as a *suspect*; a suspect runs alone (no other sequence in its steps) until it has
+  recomputed all its tokens, so a request that breaks the forward is found and failed
+  alone while the others recover (``requeue_failed``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .kv_ops import AddSeq, ForkSeq, KVOp, RemoveSeq
 from .page_ledger import PageLedger
 from .prefix_index import PrefixIndex
 
@@ -52,6 +58,12 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt admission can ever take: its pages plus one for its first
+        output token, above the watermark (``add_request`` refuses longer ones)."""
+        return (self.total_pages - self.watermark_pages - 1) * self.page_size
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # not in the cache: new, or preempted (recompute)
@@ -62,7 +74,9 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Seq:
-    """One sample of a request: its tokens, and how many of them the cache holds."""
+    """One sample of a request: its tokens, and how many of them the cache holds.
+    ``owner`` is the engine's record of this sample (opaque here): the scheduler hands
+    sequences back, and the engine reaches their state without a lookup."""
 
     request_id: str
     index: int
@@ -77,6 +91,8 @@ class Seq:
     children: list["Seq"] = field(default_factory=list)
     prompt_registered: bool = False
     preemptions: int = 0
+    suspect: bool = False  # was in a failed step: runs alone until recomputed
+    owner: object = None
 
     @property
     def length(self) -> int:
@@ -95,52 +111,58 @@ class Seq:
 
 
 @dataclass(frozen=True)
-class KVOp:
-    kind: str  # "add" | "fork" | "remove"
-    seq_id: int
-    parent: int | None = None
-    position: int | None = None
+class ScheduledSeq:
+    """``tokens`` of ``seq`` at positions ``start ..`` this step. ``logits_row``: the row
+    of the step's logits [rows, vocab] this chunk's last token produces, or None when the
+    chunk stops short of the sequence's end (a prefill piece). ``feeds``: the samples
+    that draw their next token from that row (the sequence itself, and the n > 1 samples
+    that fork from a prompt it completes)."""
 
-
-@dataclass(frozen=True)
-class Scheduled:
     seq: Seq
     start: int
     tokens: tuple[int, ...]
-    needs_logits: bool
+    logits_row: int | None
+    feeds: tuple[Seq, ...] = ()
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    ops: tuple[KVOp, ...]
-    chunks: tuple[Scheduled, ...]
+class SchedulerOutput:
+    kv_ops: tuple[KVOp, ...]
+    seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[Seq, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks)
+        return sum(len(c.tokens) for c in self.seqs)
+
+    @property
+    def num_logits_rows(self) -> int:
+        return sum(c.logits_row is not None for c in self.seqs)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.ledger = PageLedger(config.total_pages, config.page_size)
-        self.prefix = PrefixIndex(config.page_size, config.max_prefix_holders) if config.prefix_reuse else None
         self.waiting: list[Seq] = []
         self.running: list[Seq] = []
         self.pending_forks: list[Seq] = []
         self._arrivals = itertools.count()
+        self._reset_cache_state()
+
+    def _reset_cache_state(self) -> None:
+        config = self.config
+        self.ledger = PageLedger(config.total_pages, config.page_size)
+        self.prefix = PrefixIndex(config.page_size, config.max_prefix_holders) if config.prefix_reuse else None
         self._seq_ids = itertools.count()
         self._free_ids: list[int] = []
-        self._holder_prompts: dict[int, tuple[int, ...]] = {}
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], n: int = 1, priority: int = 0) -> list[Seq]:
         if not prompt:
             raise ValueError("prompt must not be empty")
-        pages = -(-len(prompt) // self.config.page_size)
-        if pages + 1 > self.config.total_pages - self.config.watermark_pages:
-            raise ValueError(f"a {len(prompt)}-token prompt needs more KV pages than the cache has")
+        if len(prompt) > self.config.max_prompt_tokens:
+            raise ValueError(f"a {len(prompt)}-token prompt needs more KV pages than the cache has "
+                             f"(at most {self.config.max_prompt_tokens} tokens)")
         arrival = next(self._arrivals)
         prompt = tuple(prompt)
         first = Seq(request_id, 0, prompt, priority, arrival)
@@ -155,7 +177,7 @@ class Scheduler:
         return seqs
 
     def release(self, seq: Seq) -> list[KVOp]:
-        """A sequence is done (finished or aborted): free its cache entry now."""
+        """A sequence is done (finished, aborted or failed): free its cache entry now."""
         ops = []
         if seq.status is Status.RUNNING:
             ops.append(self._drop(seq))
@@ -171,14 +193,25 @@ class Scheduler:
         return bool(self.waiting or self.running or self.pending_forks)
 
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         cfg = self.config
         ops: list[KVOp] = []
         preempted: list[Seq] = []
-        chunks: list[Scheduled] = []
-        budget = cfg.max_batched_tokens
+        chunks: list[tuple[Seq, int, int]] = []
         self._resolve_pending_forks(ops)
+        suspect = next((s for s in self.running + self.waiting if s.suspect), None)
+        if suspect is not None:
+            self._schedule_alone(suspect, ops, preempted, chunks)
+        else:
+            self._schedule_batch(ops, preempted, chunks)
+        out = self._output(ops, chunks, preempted)
+        assert len(out.seqs) <= cfg.max_num_seqs and len(self.running) <= cfg.max_num_seqs
+        assert out.num_tokens <= cfg.max_batched_tokens and self.ledger.free_pages >= 0
+        return out
 
+    def _schedule_batch(self, ops: list[KVOp], preempted: list[Seq], chunks: list[tuple[Seq, int, int]]) -> None:
+        cfg = self.config
+        budget = cfg.max_batched_tokens
         # Running sequences: decodes first, then unfinished prefills, each in policy order.
         order = sorted(self.running, key=self._priority_key)
         order = [s for s in order if s.remaining == 1] + [s for s in order if s.remaining > 1]
@@ -193,55 +226,116 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             scheduled.add(id(seq))
             budget -= n
-
         # Admission, in policy order, while budget, sequence slots and pages allow.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            start, holder = 0, None
-            if self.prefix is not None:
-                match = self.prefix.longest_match(seq.all_tokens(), seq.length - 1)
-                if match is not None:
-                    holder, start = match
-            n = min(seq.length - start, budget)
-            need = -(-(start + n) // cfg.page_size) - -(-start // cfg.page_size) + self.ledger.pages_to_fork(start)
-            if not self._evict_holders_for(need + cfg.watermark_pages, keep=holder, ops=ops):
+            n = self._admit(self.waiting[0], budget, ops)
+            if n is None:
                 break
-            self.waiting.pop(0)
-            seq.seq_id = self._new_id()
-            if holder is None:
-                ops.append(KVOp("add", seq.seq_id))
-                self.ledger.add(seq.seq_id)
-            else:
-                ops.append(KVOp("fork", seq.seq_id, parent=holder, position=start))
-                self.ledger.fork(holder, seq.seq_id, start)
-            seq.status, seq.computed = Status.RUNNING, start
-            self.running.append(seq)
-            chunks.append(self._chunk(seq, n))
-            scheduled.add(id(seq))
+            chunks.append(self._chunk(self.running[-1], n))
+            scheduled.add(id(self.running[-1]))
             budget -= n
 
-        assert budget >= 0 and len(chunks) <= cfg.max_num_seqs and len(self.running) <= cfg.max_num_seqs
-        assert self.ledger.free_pages >= 0
-        return StepPlan(tuple(ops), tuple(chunks), tuple(preempted))
+    def _schedule_alone(self, seq: Seq, ops: list[KVOp], preempted: list[Seq],
+                        chunks: list[tuple[Seq, int, int]]) -> None:
+        """A suspect's step holds it alone: if the forward fails again, it is the cause."""
+        budget = self.config.max_batched_tokens
+        if seq.status is Status.WAITING:
+            if len(self.running) >= self.config.max_num_seqs:
+                self._preempt(max(self.running, key=self._priority_key), ops, preempted)
+            while (n := self._admit(seq, budget, ops)) is None:
+                victims = [s for s in self.running if s is not seq]
+                if not victims:
+                    return  # cannot happen: a lone prompt always fits (max_prompt_tokens)
+                self._preempt(max(victims, key=self._priority_key), ops, preempted)
+            chunks.append(self._chunk(seq, n))
+            return
+        n = min(seq.remaining, budget)
+        if self._make_room(self.ledger.pages_to_append(seq.seq_id, n), ops, preempted, protect=seq, scheduled=set()):
+            chunks.append(self._chunk(seq, n))
 
-    def commit(self, plan: StepPlan) -> list[KVOp]:
+    def _admit(self, seq: Seq, budget: int, ops: list[KVOp]) -> int | None:
+        """Take ``seq`` from the waiting list into the cache (forking from the longest
+        cached prefix): the tokens it computes this step, or None when pages are short."""
+        cfg = self.config
+        start, holder = 0, None
+        if self.prefix is not None:
+            match = self.prefix.longest_match(seq.all_tokens(), seq.length - 1)
+            if match is not None:
+                holder, start = match
+        n = min(seq.length - start, budget)
+        need = -(-(start + n) // cfg.page_size) - -(-start // cfg.page_size) + self.ledger.pages_to_fork(start)
+        if not self._evict_holders_for(need + cfg.watermark_pages, keep=holder, ops=ops):
+            return None
+        self.waiting.remove(seq)
+        seq.seq_id = self._new_id()
+        if holder is None:
+            ops.append(AddSeq(seq.seq_id))
+            self.ledger.add(seq.seq_id)
+        else:
+            ops.append(ForkSeq(seq.seq_id, holder, start))
+            self.ledger.fork(holder, seq.seq_id, start)
+        seq.status, seq.computed = Status.RUNNING, start
+        self.running.append(seq)
+        return n
+
+    def _output(self, ops: list[KVOp], chunks: list[tuple[Seq, int, int]], preempted: list[Seq]) -> SchedulerOutput:
+        seqs, row = [], 0
+        for seq, start, n in chunks:
+            tokens = seq.tokens(start, start + n)
+            if start + len(tokens) < seq.length:
+                seqs.append(ScheduledSeq(seq, start, tokens, None))
+                continue
+            feeds = [seq]
+            if seq.index == 0 and start + len(tokens) == len(seq.prompt):
+                # Samples forking from this prompt take their first token from its logits.
+                feeds += [c for c in seq.children if c.status is Status.FORK_PENDING and not c.output]
+            seqs.append(ScheduledSeq(seq, start, tokens, row, tuple(feeds)))
+            row += 1
+        return SchedulerOutput(tuple(ops), tuple(seqs), tuple(preempted))
+
+    def commit(self, out: SchedulerOutput) -> list[KVOp]:
         """After the forward ran: the chunks' tokens are in the cache. Returns cache
         operations to apply now (forks of n > 1 samples, prefix holders)."""
         ops: list[KVOp] = []
-        for c in plan.chunks:
+        for c in out.seqs:
             seq = c.seq
             seq.computed = c.start + len(c.tokens)
+            if seq.computed == seq.length:
+                seq.suspect = False  # recomputed alone without failing: cleared
             if seq.computed >= len(seq.prompt) and seq.index == 0:
                 ops += self._fork_children(seq)
                 ops += self._register_prompt(seq)
         return ops
 
+    def requeue_failed(self, out: SchedulerOutput) -> list[KVOp]:
+        """The step's forward failed: drop the KV of every sequence it ran (the cache may
+        hold part of the step) and make each wait again as a suspect. Returns the cache
+        operations; the caller fails the requests of sequences that were suspects already."""
+        ops: list[KVOp] = []
+        for c in out.seqs:
+            if c.seq.status is Status.RUNNING:
+                self._preempt(c.seq, ops, [])
+                c.seq.suspect = True
+        return ops
+
+    def reset(self) -> None:
+        """The cache was recreated empty: every running sequence waits again (recompute),
+        prefix holders are gone."""
+        for seq in list(self.running):
+            seq.seq_id = None
+            self.running.remove(seq)
+            seq.status, seq.computed = Status.WAITING, 0
+            self.waiting.append(seq)
+        self._sort_waiting()
+        self._reset_cache_state()
+
     # -- helpers ------------------------------------------------------------------------
-    def _chunk(self, seq: Seq, n: int) -> Scheduled:
-        start = seq.computed
+    def _chunk(self, seq: Seq, n: int) -> tuple[Seq, int, int]:
+        """Reserve pages for ``n`` tokens of ``seq`` this step: (seq, start, n).
+        ``computed`` moves at ``commit``, once the forward ran."""
         taken = self.ledger.append(seq.seq_id, n)
         assert taken is not None, "pages were checked before"
-        return Scheduled(seq, start, seq.tokens(start, start + n), needs_logits=start + n == seq.length)
+        return seq, seq.computed, n
 
     def _priority_key(self, seq: Seq):
         if self.config.policy == "priority":
@@ -255,11 +349,20 @@ class Scheduler:
         return self._free_ids.pop() if self._free_ids else next(self._seq_ids)
 
     def _drop(self, seq: Seq) -> KVOp:
-        op = KVOp("remove", seq.seq_id)
+        op = RemoveSeq(seq.seq_id)
         self.ledger.remove(seq.seq_id)
         self._free_ids.append(seq.seq_id)
         seq.seq_id = None
         return op
+
+    def _preempt(self, victim: Seq, ops: list[KVOp], preempted: list[Seq]) -> None:
+        ops.append(self._drop(victim))
+        self.running.remove(victim)
+        victim.status, victim.computed = Status.WAITING, 0
+        victim.preemptions += 1
+        preempted.append(victim)
+        self.waiting.append(victim)
+        self._sort_waiting()
 
     def _make_room(self, need: int, ops: list[KVOp], preempted: list[Seq], protect: Seq, scheduled: set[int]) -> bool:
         while self.ledger.free_pages < need:
@@ -268,26 +371,21 @@ class Scheduler:
             victims = [s for s in self.running if s is not protect and id(s) not in scheduled]
             if not victims:
                 return False
-            victim = max(victims, key=self._priority_key)  # lowest priority, newest
-            ops.append(self._drop(victim))
-            self.running.remove(victim)
-            victim.status, victim.computed = Status.WAITING, 0
-            victim.preemptions += 1
-            preempted.append(victim)
-            self.waiting.append(victim)
-            self._sort_waiting()
+            self._preempt(max(victims, key=self._priority_key), ops, preempted)  # lowest priority, newest
         return True
+
+    def _remove_holder(self, holder: int, ops: list[KVOp]) -> None:
+        self.prefix.remove(holder)
+        ops.append(RemoveSeq(holder))
+        self.ledger.remove(holder)
+        self._free_ids.append(holder)
 
     def _evict_one_holder(self, ops: list[KVOp], keep: int | None = None) -> bool:
         if self.prefix is None:
             return False
         for holder in self.prefix.holders():
             if holder != keep and self.ledger.pages_freed_by_remove(holder) > 0:
-                self.prefix.remove(holder)
-                self._holder_prompts.pop(holder, None)
-                ops.append(KVOp("remove", holder))
-                self.ledger.remove(holder)
-                self._free_ids.append(holder)
+                self._remove_holder(holder, ops)
                 return True
         return False
 
@@ -298,7 +396,7 @@ class Scheduler:
         return self.ledger.free_pages >= need
 
     def _fork_children(self, seq: Seq) -> list[KVOp]:
-        ops = []
+        ops: list[KVOp] = []
         pos = len(seq.prompt)
         for child in [c for c in seq.children if c.status is Status.FORK_PENDING]:
             if (self.ledger.free_pages < self.ledger.pages_to_fork(pos)
@@ -306,7 +404,7 @@ class Scheduler:
                 break  # stays pending: schedule() retries, or recomputes it if sample 0 leaves
             child.seq_id = self._new_id()
             self.ledger.fork(seq.seq_id, child.seq_id, pos)
-            ops.append(KVOp("fork", child.seq_id, parent=seq.seq_id, position=pos))
+            ops.append(ForkSeq(child.seq_id, seq.seq_id, pos))
             child.status, child.computed = Status.RUNNING, pos
             self.pending_forks.remove(child)
             self.running.append(child)
@@ -336,20 +434,19 @@ class Scheduler:
             return []
         ops: list[KVOp] = []
         if len(self.prefix) >= self.prefix.max_holders:
-            oldest = self.prefix.least_recently_used()
-            self.prefix.remove(oldest)
-            self._holder_prompts.pop(oldest, None)
-            ops.append(KVOp("remove", oldest))
-            self.ledger.remove(oldest)
-            self._free_ids.append(oldest)
+            self._remove_holder(self.prefix.least_recently_used(), ops)
         holder = self._new_id()
         self.ledger.fork(seq.seq_id, holder, full)  # page-aligned: shares pages, takes none
-        ops.append(KVOp("fork", holder, parent=seq.seq_id, position=full))
+        ops.append(ForkSeq(holder, seq.seq_id, full))
         self.prefix.insert(holder, seq.prompt[:full])
-        self._holder_prompts[holder] = seq.prompt[:full]
         return ops
 
-    # -- invariants ---------------------------------------------------------------------
+    # -- queries and invariants ---------------------------------------------------------
+    def pages_held_by_requests(self) -> int:
+        """Pages some request's sequence refers to (the rest of the used pages are held
+        only by prefix holders: cached, evictable)."""
+        return self.ledger.pages_of([s.seq_id for s in self.running])
+
     def check(self) -> None:
         self.ledger.check()
         live = {s.seq_id for s in self.running}

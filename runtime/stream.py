@@ -27,13 +27,18 @@ class RequestCancelled(KilnError):
 
 
 class RequestStream:
+    """``cancel(request_id)`` is called when the consumer leaves early; ``on_end(stream)``
+    once, when the stream ends (finished, failed or cancelled)."""
+
     def __init__(self, request_id: str, n: int, prompt_tokens: int, cancel: Callable[[str], None],
-                 on_delta: Callable[[Delta], None] | None = None):
+                 on_delta: Callable[[Delta], None] | None = None,
+                 on_end: Callable[["RequestStream"], None] | None = None):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self._n = n
         self._cancel = cancel
         self._on_delta = on_delta
+        self._on_end = on_end
         self._sync: queue.Queue = queue.Queue()
         self._async: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -43,6 +48,7 @@ class RequestStream:
         self._logprobs = [[] for _ in range(n)]
         self._finish: list[str | None] = [None] * n
         self._error: BaseException | None = None
+        self._closed = False  # no delta is taken after the end (an abort races the engine)
         self._done = threading.Event()
         self.created = time.perf_counter()
         self.first_token_at: float | None = None
@@ -51,6 +57,8 @@ class RequestStream:
     # -- engine side (engine thread) ------------------------------------------------------
     def push(self, delta: Delta) -> None:
         with self._lock:
+            if self._closed:
+                return
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self._texts[delta.index].append(delta.text)
@@ -60,28 +68,44 @@ class RequestStream:
                 self._logprobs[delta.index].append(delta.logprobs)
             if delta.finish_reason is not None:
                 self._finish[delta.index] = delta.finish_reason
+            last = all(f is not None for f in self._finish)
+            if last:
+                self._closed = True
         if self._on_delta is not None:
             self._on_delta(delta)
         self._emit(delta)
-        if all(f is not None for f in self._finish):
-            self.finished_at = time.perf_counter()
-            self._done.set()
-            self._emit(_END)
+        if last:
+            self._end()
 
-    def fail(self, error: BaseException) -> None:
-        self._error = error
+    def fail(self, error: BaseException) -> bool:
+        """End the stream with ``error`` (the consumer's next read raises it); False if it
+        had already ended."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            self._error = error
+        self._end()
+        return True
+
+    def _end(self) -> None:
         self.finished_at = time.perf_counter()
         self._done.set()
         self._emit(_END)
+        if self._on_end is not None:
+            self._on_end(self)
 
     def _emit(self, item) -> None:
         # Under the lock: an async consumer attaching between the check and the put would
         # drain ``_sync`` first and never see this item.
         with self._lock:
-            if self._async is not None:
-                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
-            else:
+            if self._async is None:
                 self._sync.put(item)
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed: nobody reads any more
+                pass
 
     # -- consumer side --------------------------------------------------------------------
     @property

@@ -22,7 +22,15 @@ def _has_cuda_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None and Path("/dev/nvidia0").exists()
 
 
+DEFAULT_MODEL_FIXTURES = {"smollm2_artifact", "smollm2_source", "smollm2_module", "smollm2_graphs"}
+
+
 def pytest_collection_modifyitems(config, items):
+    # A test that compiles or runs the full default model is slow (`-m "not slow"` skips
+    # them; `make test` runs everything).
+    for item in items:
+        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if _has_cuda_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

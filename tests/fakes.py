@@ -100,6 +100,7 @@ class FakeTokenizer:
     """Prompts are space-separated token ids ("3 14 15"); text is ids joined with spaces."""
 
     eos_token_ids = frozenset()
+    max_token_chars = 8
 
     def encode(self, text, add_special_tokens=True):
         return [int(t) for t in text.split()]
@@ -117,3 +118,24 @@ def expected_greedy(prompt, steps: int, vocab: int = 64) -> list[int]:
         out.append(int(np.argmax(fake_logits(tokens, vocab))))
         tokens.append(out[-1])
     return out
+
+
+def fake_engine(context: int = 96, **config):
+    """(engine, executor): an Engine over the fake executor, driven by ``step()``."""
+    from kiln.runtime.engine import Engine, EngineConfig
+
+    ex = FakeExecutor()
+    engine = Engine(fake_model(context=context), ex, FakeTokenizer(), EngineConfig(**config), background=False)
+    return engine, ex
+
+
+def run_to_idle(engine, max_steps: int = 20_000) -> int:
+    """Step until idle, checking the core's invariants (scheduler, ledger = cache) after
+    every step; returns the number of steps."""
+    steps = 0
+    while engine.core.has_work():
+        engine.step()
+        engine.core.check()
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return steps

@@ -17,6 +17,7 @@ from kiln.compiler.tune.database import WORKLOADS, database_dir, load_database, 
 from kiln.compiler.tune.tuner import fused_module, static_tasks
 
 
+@pytest.mark.slow
 def test_committed_records_match_the_default_models_kernels():
     spec = parse_target("llvm")
     if not (database_dir(spec) / WORKLOADS).is_file():

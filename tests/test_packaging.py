@@ -38,3 +38,26 @@ def test_cli_generate_streams_and_reports(compiled):
                                                        max_tokens=6, temperature=0.9, seed=3)
     assert proc.stdout == expected.text + "\n"
     assert "prompt +" in proc.stderr and "finish:" in proc.stderr
+
+
+def test_a_kiln_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path):
+    """`python -m` / `-c` put the working directory first on sys.path. A `kiln` folder there
+    without __init__.py (artifacts, say) would be an empty namespace package that the
+    editable install's finder, left behind the PathFinder by setuptools, loses to; the build
+    backend (build_backend/kiln_build.py) puts the finder first. The console script never
+    has the working directory on sys.path."""
+    (tmp_path / "kiln" / "runtime").mkdir(parents=True)
+    from kiln.runtime.version import __version__
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    probe = ("import kiln, kiln.runtime; assert kiln.runtime.__file__, kiln.runtime; "
+             "print('kiln, version', kiln.__version__)")
+    commands = {
+        "kiln --version": [str(Path(sys.executable).parent / "kiln"), "--version"],
+        "python -m kiln.cli.main --version": [sys.executable, "-m", "kiln.cli.main", "--version"],
+        "python -m kiln.cli --version": [sys.executable, "-m", "kiln.cli", "--version"],
+        "python -c 'import kiln'": [sys.executable, "-c", probe],
+    }
+    for name, command in commands.items():
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+        assert (proc.returncode, proc.stdout.strip()) == (0, f"kiln, version {__version__}"), (name, proc.stderr)

@@ -7,6 +7,8 @@ import pytest
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     SampleState,
     SamplingParams,
     make_generators,
@@ -139,3 +141,32 @@ def test_invalid_values_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
     assert info.value.field == field
+
+
+def test_stop_strings_are_capped_in_total_length():
+    per_stop = MAX_STOP_CHARS // MAX_STOP_STRINGS
+    at_cap = [chr(ord("a") + i) * per_stop for i in range(MAX_STOP_STRINGS)]
+    assert sum(map(len, at_cap)) == MAX_STOP_CHARS
+    assert SamplingParams(stop=at_cap).stop == tuple(at_cap)
+    for over in (at_cap[:-1] + [at_cap[-1] + "z"], "x" * (MAX_STOP_CHARS + 1), ["x" * 250_000] * 16):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(stop=over)
+        assert info.value.field == "stop"
+        assert str(MAX_STOP_CHARS) in str(info.value)
+
+
+def test_extreme_valid_values_never_make_nan_distributions():
+    """temperature and repetition_penalty as small as a double goes (valid values): the
+    draw tends to the argmax / to the boosted tokens, never to the NaN-driven last token."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((1, 50)).astype(np.float32) * 5
+    best = int(np.argmax(logits[0]))
+    params = SamplingParams(temperature=5e-324, max_tokens=4)
+    state = SampleState(params, np.random.default_rng(), [best], frozenset())
+    with np.errstate(all="raise"):  # no overflow or invalid operation reaches numpy
+        assert sample_rows(logits, [state])[0] == [best]
+    prompt = [best] + [int(t) for t in rng.choice(50, 4)]  # the best logit is > 0: boosted
+    boosted = {t for t in prompt if logits[0, t] > 0}
+    params = SamplingParams(temperature=1.0, repetition_penalty=5e-324, max_tokens=4)
+    state = SampleState(params, np.random.default_rng(), prompt, frozenset())
+    assert sample_rows(logits, [state])[0][0] in boosted  # a positive logit / 5e-324 is +inf

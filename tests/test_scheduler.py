@@ -8,31 +8,16 @@ import random
 
 import pytest
 
-from fakes import FakeExecutor, FakeTokenizer, expected_greedy, fake_model
-from kiln.runtime.engine import Engine, EngineConfig, EngineOverloadedError
+from fakes import expected_greedy, fake_engine, run_to_idle
+from kiln.runtime.engine import EngineOverloadedError
 from kiln.runtime.stream import RequestCancelled
 
 
-def make_engine(context=96, **config):
-    ex = FakeExecutor()
-    engine = Engine(fake_model(context=context), ex, FakeTokenizer(), EngineConfig(**config), background=False)
-    return engine, ex
-
-
-def run(engine, max_steps=10_000):
-    """Step until idle, checking invariants after every step."""
-    steps = 0
-    while engine.scheduler.has_work():
-        engine.step()
-        check(engine)
-        steps += 1
-        assert steps < max_steps, "no progress"
-    return steps
+make_engine, run = fake_engine, run_to_idle
 
 
 def check(engine):
-    engine.scheduler.check()
-    assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
+    engine.core.check()  # the scheduler's invariants, and its page ledger = the cache's pages
 
 
 def prompt(*ids):
@@ -48,7 +33,7 @@ def test_admission_and_chunking_table():
     forward = ex.forward
 
     def named_forward(cache, chunks):  # seq ids exist only between schedule and release
-        names = {s.seq.seq_id: rid for rid, req in engine._requests.items() for s in req.samples}
+        names = {s.seq.seq_id: rid for rid, req in engine.core.requests.items() for s in req.samples}
         table.append([(names[c.seq_id], c.start, len(c.tokens)) for c in chunks])
         return forward(cache, chunks)
 
@@ -87,13 +72,13 @@ def test_newest_is_preempted_first():
     engine.step()
     new = engine.submit(prompt(7, 8, 9, 10, 11, 12), max_tokens=12)
     preempted = []
-    while engine.scheduler.has_work():
+    while engine.core.has_work():
         plan_before = engine.metrics.preemptions
         engine.step()
         check(engine)
         if engine.metrics.preemptions > plan_before:
-            preempted.append(engine._requests.get(new.request_id) is not None and
-                             engine._requests[new.request_id].samples[0].seq.preemptions > 0)
+            preempted.append(engine.core.requests.get(new.request_id) is not None and
+                             engine.core.requests[new.request_id].samples[0].seq.preemptions > 0)
     assert preempted and all(preempted)  # only the newer request was ever preempted
     assert list(old.result().token_ids) == expected_greedy([1, 2, 3, 4, 5, 6], 12)
     assert list(new.result().token_ids) == expected_greedy([7, 8, 9, 10, 11, 12], 12)
@@ -127,11 +112,14 @@ def test_cancellation_frees_pages_at_once():
         engine.step()
     assert engine.cache.used_pages() > 0
     stream.cancel()
+    with pytest.raises(RequestCancelled):  # the consumer sees the cancellation at once
+        stream.result(timeout=0)
+    engine.step()  # the core applies the abort before it schedules anything
     assert engine.cache.used_pages() == 0 and not engine.cache.seqs
     check(engine)
     with pytest.raises(RequestCancelled):
         stream.result()
-    assert not engine.scheduler.has_work()
+    assert not engine.core.has_work()
 
 
 def test_priority_policy_admits_higher_priority_first():
@@ -139,8 +127,8 @@ def test_priority_policy_admits_higher_priority_first():
     low = engine.submit(prompt(1, 2), max_tokens=2, priority=0)
     high = engine.submit(prompt(3, 4), max_tokens=2, priority=5)
     engine.step()
-    first = engine._requests[high.request_id].samples[0].seq
-    assert first.seq_id is not None and engine._requests[low.request_id].samples[0].seq.seq_id is None
+    first = engine.core.requests[high.request_id].samples[0].seq
+    assert first.seq_id is not None and engine.core.requests[low.request_id].samples[0].seq.seq_id is None
     run(engine)
     assert high.result().token_ids and low.result().token_ids
 
@@ -150,7 +138,7 @@ def test_fcfs_policy_ignores_priority():
     low = engine.submit(prompt(1, 2), max_tokens=2, priority=0)
     engine.submit(prompt(3, 4), max_tokens=2, priority=5)
     engine.step()
-    assert engine._requests[low.request_id].samples[0].seq.seq_id is not None
+    assert engine.core.requests[low.request_id].samples[0].seq.seq_id is not None
 
 
 def test_n_samples_fork_one_prompt():
@@ -199,7 +187,7 @@ def test_random_requests_and_cancellations_leave_no_page_behind(prefix_reuse):
         if n == 1:
             expected[stream.request_id] = expected_greedy(p, max_tokens)
         for _ in range(rng.randint(0, 3)):
-            if engine.scheduler.has_work():
+            if engine.core.has_work():
                 engine.step()
                 check(engine)
         if rng.random() < 0.15 and live:

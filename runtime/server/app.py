@@ -3,40 +3,58 @@
     POST /v1/completions        prompt (string or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions   messages through the model's chat template
     GET  /v1/models             the one served model
-    GET  /health                liveness and engine load
+    GET  /health                liveness: 200 while the engine core runs and makes progress, else 503
+    GET  /ready                 readiness: 200 while requests are admitted (503 when draining or unhealthy)
     GET  /metrics               Prometheus text: TTFT, inter-token latency, queue, KV pages, tokens/s
+    (GET routes answer HEAD too.)
 
-A client that disconnects (mid-stream or while waiting for a full response) cancels its
-request, which frees its KV pages. Malformed bodies get 400 naming the field, a full
-queue 429; no bad request affects the others.
+No handler waits for the engine's step: a request is validated, tokenized and rendered in
+a worker thread (never on the event loop), handed to the engine core, and its tokens are
+read from its own stream. A client that disconnects (mid-stream or while waiting for a full
+response) cancels its request, which frees its KV pages. Malformed bodies get 400 naming
+the field, oversized ones 413, a full queue 429, a draining server 503; no bad request
+affects the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
+from dataclasses import asdict
 
+import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
 
 from ..engine import Engine
 from ..errors import KilnError
+from ..metrics import CONTENT_TYPE
 from ..outputs import Delta
 from ..stream import RequestCancelled, RequestStream
 from ..version import __version__
-from .errors import APIError, error_body, install, to_api_error
+from .config import ServerConfig
+from .errors import APIError, error_body, error_response, install, to_api_error
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from .protocol import ChatCompletionRequest, CompletionRequest
 
-DISCONNECT_POLL_S = 0.25
 log = logging.getLogger("kiln.server")
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+SHUTDOWN_REASON = "abort"  # the finish reason of requests ended by a shutdown
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
+def create_app(engine: Engine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
     app = FastAPI(title="Kiln", version=__version__)
-    install(app)
+    install(app, config.retry_after_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           open_paths=frozenset() if config.api_key_all_routes else PROBES)
     created = int(time.time())
 
     def check_model(name: str | None) -> None:
@@ -44,22 +62,34 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             raise APIError(404, f"model {name!r} is not served here (this server serves {model_name!r})",
                            param="model", code="model_not_found")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, **engine.stats()}
+    def unavailable(status: dict, detail: str) -> JSONResponse:
+        return JSONResponse({**status, "detail": detail}, status_code=503,
+                            headers={"Retry-After": str(config.retry_after_s)})
 
-    @app.get("/v1/models")
+    @probe(app, "/health")
+    async def health():
+        state = engine.health()
+        body = {"status": "ok" if state.ok else "unhealthy", "model": model_name, "draining": engine.draining,
+                **asdict(engine.stats())}
+        return JSONResponse(body) if state.ok else unavailable(body, state.detail)
+
+    @probe(app, "/ready")
+    async def ready():
+        state = engine.health()
+        if not state.ok:
+            return unavailable({"status": "unhealthy"}, state.detail)
+        if engine.draining:
+            return unavailable({"status": "draining"}, "the server is shutting down")
+        return {"status": "ready", "model": model_name}
+
+    @probe(app, "/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "kiln"}]}
 
-    @app.get("/metrics")
+    @probe(app, "/metrics")
     async def metrics():
-        stats = engine.stats()
-        gauges = {"queue_depth": stats["waiting"], "running_requests": stats["running"],
-                  "kv_pages_total": stats["kv_pages_total"], "kv_pages_used": stats["kv_pages_used"],
-                  "kv_page_usage_ratio": stats["kv_pages_used"] / max(stats["kv_pages_total"], 1)}
-        return PlainTextResponse(engine.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -67,8 +97,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of is not supported (use n)", param="best_of")
         params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
-        stream = _submit(engine, body.prompt, params, body.priority)
         rid, model = f"cmpl-{uuid.uuid4().hex}", model_name
+        stream = await _submit(engine, rid, body.prompt, params, body.priority)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -79,7 +109,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                                      if delta.logprobs else None,
                                      "finish_reason": delta.finish_reason}]}
 
-            return _sse(stream, chunk, request, usage and (lambda: {
+            return _sse(stream, chunk, config, usage and (lambda: {
                 "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": [], "usage": _usage(stream)}))
         out = await _collect(stream, request)
@@ -98,8 +128,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         if body.max_completion_tokens and not body.max_tokens:
             params = params.replace(max_tokens=body.max_completion_tokens)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        stream = _submit(engine, messages, params, body.priority)
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
+        stream = await _submit(engine, rid, messages, params, body.priority)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             started: set[int] = set()
@@ -115,7 +145,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                                      if delta.logprobs else None,
                                      "finish_reason": delta.finish_reason}]}
 
-            return _sse(stream, chunk, request, usage and (lambda: {
+            return _sse(stream, chunk, config, usage and (lambda: {
                 "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [], "usage": _usage(stream)}))
         out = await _collect(stream, request)
@@ -129,11 +159,27 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     return app
 
 
-def _submit(engine: Engine, prompt, params, priority: int) -> RequestStream:
+def probe(app: FastAPI, path: str):
+    """A GET route that answers HEAD too (HEAD left out of the schema: one operation)."""
+    def register(fn):
+        app.head(path, include_in_schema=False, name=f"{fn.__name__}_head")(fn)
+        return app.get(path)(fn)
+
+    return register
+
+
+async def _submit(engine: Engine, request_id: str, prompt, params, priority: int) -> RequestStream:
+    """Tokenize, render and queue in a worker thread: the event loop never tokenizes."""
+    submit = functools.partial(engine.submit, prompt, params, priority=priority, request_id=request_id)
     try:
-        return engine.submit(prompt, params, priority=priority)
+        return await anyio.to_thread.run_sync(submit)
     except KilnError as err:
         raise to_api_error(err) from None
+    except BaseException:
+        # Cancelled (the client left) while the thread ran: the thread still queued the
+        # request, and nobody will read it.
+        engine.abort(request_id)
+        raise
 
 
 def _usage(stream: RequestStream) -> dict:
@@ -142,17 +188,17 @@ def _usage(stream: RequestStream) -> dict:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-async def _watch(request: Request, stream: RequestStream) -> None:
-    while not stream.done:
-        if await request.is_disconnected():
-            log.info("client of request %s disconnected", stream.request_id)
-            stream.cancel()
-            return
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
 async def _collect(stream: RequestStream, request: Request):
-    watcher = asyncio.create_task(_watch(request, stream))
+    """Wait for a whole completion; a client that disconnects meanwhile cancels it."""
+
+    async def watch():
+        # After the body, receive() returns only when the client disconnects.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        log.info("client of request %s disconnected", stream.request_id)
+        stream.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
         async for _ in stream:
             pass
@@ -162,29 +208,34 @@ async def _collect(stream: RequestStream, request: Request):
         raise to_api_error(err) from None
     finally:
         watcher.cancel()
-    return stream.completion()
+    out = stream.completion()
+    if any(c.finish_reason == SHUTDOWN_REASON for c in out.choices):
+        raise APIError(503, "the server shut down before the request finished; retry it",
+                       type_="service_unavailable", code="shutting_down")
+    return out
 
 
-def _sse(stream: RequestStream, chunk, request: Request, final=None) -> StreamingResponse:
+def _sse(stream: RequestStream, chunk, config: ServerConfig, final=None) -> EventSourceResponse:
+    """Server-sent events: one ``data:`` event per delta with text, a finish reason or
+    logprobs; then the usage chunk if asked for, and ``[DONE]``. An error ends the stream
+    with an error event. sse-starlette sends keep-alive comments while nothing is
+    generated and cancels the stream (and so the request) when the client disconnects."""
+
     async def events():
-        watcher = asyncio.create_task(_watch(request, stream))
         try:
             async for delta in stream:
                 if delta.text or delta.finish_reason or delta.logprobs:
-                    yield f"data: {json.dumps(chunk(delta), ensure_ascii=False)}\n\n"
+                    yield {"data": json.dumps(chunk(delta), ensure_ascii=False)}
             if final:
-                yield f"data: {json.dumps(final())}\n\n"
-            yield "data: [DONE]\n\n"
+                yield {"data": json.dumps(final())}
         except RequestCancelled:
             return
         except KilnError as err:  # the stream carries the error to the client
             api = to_api_error(err)
-            yield f"data: {json.dumps(error_body(api.message, api.type, api.param, api.code))}\n\n"
-        finally:
-            watcher.cancel()
+            yield {"data": json.dumps(error_body(api.message, api.type, api.param, api.code))}
+        yield {"data": "[DONE]"}
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventSourceResponse(events(), ping=config.sse_ping_s, headers={"Cache-Control": "no-cache"})
 
 
 def _token_text(engine: Engine, token: int) -> str:
@@ -221,4 +272,4 @@ def _chat_logprobs(engine: Engine, items) -> list[dict]:
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in items]
 
 
-__all__ = ["create_app", "JSONResponse"]
+__all__ = ["create_app", "error_response"]
