@@ -64,7 +64,6 @@ class RequestRecord:
     stream: RequestStream
     arrival: float = field(default_factory=time.perf_counter)
     samples: list[SampleRecord] = field(default_factory=list)
-    first_token_at: float | None = None
     queued: bool = True  # counted against max_waiting until first scheduled or ended
 
     @classmethod
@@ -273,11 +272,10 @@ class EngineCore:
         seq, record = sample.seq, sample.request
         seq.output.append(token)
         result = process_token(sample.output, token)
-        if record.first_token_at is None:
-            record.first_token_at = now
-            self.metrics.ttft.observe(now - record.arrival)
-        elif sample.last_token_at is not None:
+        if sample.last_token_at is not None:
             self.metrics.itl.observe(now - sample.last_token_at)
+        elif all(s.last_token_at is None for s in record.samples):  # the request's first token
+            self.metrics.ttft.observe(now - record.arrival)
         sample.last_token_at = now
         if result.finish_reason is not None:
             # Pages first: a client that sees its stream end finds them free.

@@ -296,18 +296,22 @@ class Engine:
         ``reason``. True if every request finished on its own."""
         with self._lock:
             self._draining = True
-        deadline = time.monotonic() + timeout
-        while not self.idle() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.idle():
+        if self.wait_idle(timeout):
             return True
         log.warning("shutdown: ending %d requests still running after %.1f s", len(self._live), timeout)
         self.core.inbox.put(FinishAll(reason))
         self._ensure_thread()
-        deadline = time.monotonic() + 10.0
-        while not self.idle() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        self.wait_idle(10.0)
         return False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Poll ``idle()`` for up to ``timeout`` seconds; whether it became idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def run_in_core(self, fn: Callable[[], object], timeout: float = 60.0):
         """Run ``fn()`` on the core between two steps and return its result: for tests and

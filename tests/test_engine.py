@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
-import numpy as np
 import pytest
 
 from helpers import torch_greedy
@@ -119,9 +117,7 @@ def test_async_stream_callback_and_cancellation(compiled):
     for i, _ in enumerate(stream):
         if i == 2:
             break  # leaving the loop cancels the request
-    deadline = time.time() + 10
-    while not engine.idle() and time.time() < deadline:
-        time.sleep(0.01)
+    assert engine.wait_idle(10)
     assert engine.stats().running == 0
     with pytest.raises(RequestCancelled):
         stream.result()
