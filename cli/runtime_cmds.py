@@ -60,15 +60,27 @@ def inspect_command(artifact, as_json):
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat", is_flag=True, help="apply the model's chat template to PROMPT as a user message")
 @click.option("--system", default=None, help="system message (implies --chat)")
+@click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="constrain the output to JSON valid under the JSON schema in this file")
+@click.option("--regex", default=None, help="constrain the output to match this regular expression")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="print timing to stderr")
 @handle_errors
-def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, seed, stop, chat, system, stats):
+def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, seed, stop, chat, system,
+                     json_schema, regex, stats):
     """Stream a generation for PROMPT from ARTIFACT to the terminal."""
     from kiln.runtime.engine import Engine
+    from kiln.runtime.guided import Guide
     from kiln.runtime.sampling import SamplingParams
 
+    if json_schema is not None and regex is not None:
+        raise click.UsageError("give --json-schema or --regex, not both")
+    guide = None
+    if json_schema is not None:
+        guide = Guide.json_schema(Path(json_schema).read_text(encoding="utf-8"), field="--json-schema")
+    elif regex is not None:
+        guide = Guide.regex(regex, field="--regex")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=tuple(stop))
+                            seed=seed, stop=tuple(stop), guide=guide)
     engine = Engine.load(artifact)
     request = prompt
     if chat or system is not None:

@@ -26,6 +26,7 @@ from typing import Callable
 
 from .errors import KilnError
 from .executor import CacheConfig, Chunk
+from .guided import advance, fill_masks
 from .kv_ops import apply_ops
 from .metrics import EngineMetrics
 from .output_processor import OutputState, process_token
@@ -68,11 +69,13 @@ class RequestRecord:
 
     @classmethod
     def create(cls, request_id: str, params: SamplingParams, prompt_ids, priority: int, stream: RequestStream,
-               tokenizer, end_ids: frozenset[int], budget: int) -> "RequestRecord":
+               tokenizer, end_ids: frozenset[int], budget: int, grammars: list | None = None) -> "RequestRecord":
+        """``grammars``: one matcher per sample for a constrained request."""
         record = cls(request_id, params, tuple(prompt_ids), priority, stream)
-        for rng in make_generators(params.seed, params.n):
+        grammars = grammars or [None] * params.n
+        for rng, grammar in zip(make_generators(params.seed, params.n), grammars, strict=True):
             record.samples.append(SampleRecord(
-                record, SampleState(params, rng, record.prompt_ids, end_ids),
+                record, SampleState(params, rng, record.prompt_ids, end_ids, grammar=grammar),
                 OutputState.create(tokenizer, record.prompt_ids, params.stop, end_ids, budget)))
         return record
 
@@ -147,6 +150,7 @@ class EngineCore:
         self.requests: dict[str, RequestRecord] = {}
         self._on_dequeued = on_dequeued
         self._steps = 0
+        self._grammar_executor = None
         self.dead: BaseException | None = None  # set if the core cannot go on (no cache)
         self.stats = EngineStats()
         self._publish()
@@ -251,6 +255,7 @@ class EngineCore:
         sampling or emitting for one request fails that request only."""
         now = time.perf_counter()
         tokens = 0
+        masks = self._grammar_masks(out, logits.shape[-1])
         for c in out.seqs:
             if c.logits_row is None:
                 continue
@@ -259,7 +264,11 @@ class EngineCore:
                 if sample is None or sample.finished:
                     continue  # aborted or failed during this step
                 try:
-                    token, logprobs = _sample_one(logits[c.logits_row], sample.sampler)
+                    if isinstance(masks.get(sample), BaseException):
+                        raise masks[sample]
+                    token, logprobs = _sample_one(logits[c.logits_row], sample.sampler, masks.get(sample))
+                    if sample.sampler.grammar is not None:
+                        advance(sample.sampler.grammar, token)
                     self._emit(sample, token, logprobs, now)
                     tokens += 1
                 except Exception as err:  # noqa: BLE001
@@ -267,6 +276,29 @@ class EngineCore:
                     self._end(sample.request, "failed", err)
         if tokens:
             self.metrics.on_tokens(tokens, time.time())
+
+    def _grammar_masks(self, out: SchedulerOutput, vocab_size: int) -> dict:
+        """The allowed tokens (bool [vocab]) of every constrained sample this step samples,
+        filled in one parallel call; if that call fails, each such sample maps to the error
+        (its request fails, the others go on)."""
+        constrained = [seq.owner for c in out.seqs if c.logits_row is not None for seq in c.feeds
+                       if seq.owner is not None and not seq.owner.finished and seq.owner.sampler.grammar is not None]
+        if not constrained:
+            return {}
+        try:
+            rows = fill_masks(self.grammar_executor(), [s.sampler.grammar for s in constrained], vocab_size)
+        except Exception as err:  # noqa: BLE001
+            log.exception("computing grammar masks failed")
+            return {s: err for s in constrained}
+        return dict(zip(constrained, rows))
+
+    def grammar_executor(self):
+        """llguidance's thread pool for masks, made on the first constrained step."""
+        if self._grammar_executor is None:
+            import llguidance
+
+            self._grammar_executor = llguidance.LLExecutor()
+        return self._grammar_executor
 
     def _emit(self, sample: SampleRecord, token: int, logprobs, now: float) -> None:
         seq, record = sample.seq, sample.request
@@ -377,8 +409,8 @@ class EngineCore:
         self._verify_pages()
 
 
-def _sample_one(row, state: SampleState):
+def _sample_one(row, state: SampleState, allowed=None):
     """One token from one logits row [vocab] (the batched sampler, one row at a time, so
-    a failure stays with its request)."""
-    tokens, logprobs = sample_rows(row[None], [state])
+    a failure stays with its request), among the tokens ``allowed`` (bool [vocab])."""
+    tokens, logprobs = sample_rows(row[None], [state], None if allowed is None else [allowed])
     return tokens[0], logprobs[0]

@@ -37,6 +37,7 @@ from .core import AbortRequest, AddRequest, EngineCore, EngineStats, FinishAll, 
 from .device import open_device
 from .errors import InvalidRequestError, KilnError, PromptTooLongError
 from .executor import CacheConfig, PagedExecutor
+from .guided import GrammarCompiler, Guide
 from .metrics import EngineMetrics
 from .model_config import ModelConfig
 from .outputs import Completion, Delta
@@ -120,6 +121,7 @@ class Engine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
         self.metrics.read_gauges_from(self._gauges)
 
     @classmethod
@@ -149,6 +151,15 @@ class Engine:
         return self.core.executor
 
     @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles and caches the constraints of constrained requests (made on first use)."""
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
+            return self._grammars
+
+    @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt served: the context window less one output token (the KV
         cache is sized to hold it)."""
@@ -165,6 +176,8 @@ class Engine:
         thread for every delta; if it raises, the request fails."""
         params = _params(params, overrides)
         params.check_vocab(self.config.vocab_size)
+        # Compiled and checked here, on the caller's thread: a bad schema never reaches the core.
+        grammars = self.grammars.matchers(params.guide, params.n) if params.guide is not None else None
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority", "must be an integer")
         prompt_ids = self.encode_prompt(prompt)
@@ -175,7 +188,7 @@ class Engine:
         end_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                         else self.tokenizer.eos_token_ids)
         record = RequestRecord.create(request_id, params, prompt_ids, priority, stream, self.tokenizer, end_ids,
-                                      budget)
+                                      budget, grammars)
         with self._lock:
             if self._closed or self._draining:
                 self.metrics.on_reject()
@@ -199,7 +212,8 @@ class Engine:
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  on_token: Callable[[Delta], None] | None = None, priority: int = 0, **overrides) -> Completion:
         """Generate to completion. ``overrides`` are SamplingParams fields (``max_tokens=``,
-        ``temperature=``, ``top_k=``, ``top_p=``, ``seed=``, ``stop=``, ``n=``...).
+        ``temperature=``, ``top_k=``, ``top_p=``, ``seed=``, ``stop=``, ``n=``, ``guide=``...)
+        or ``response_format=`` (OpenAI's dict, or a pydantic model class: JSON of its schema).
         ``on_token`` is called on this thread for every delta, in order."""
         stream = self.submit(prompt, params, priority=priority, **overrides)
         if on_token is None:
@@ -416,6 +430,9 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 def _params(params: SamplingParams | None, overrides: dict) -> SamplingParams:
     params = params or SamplingParams()
+    if "response_format" in overrides:  # OpenAI's form (a dict or a pydantic model class)
+        overrides = dict(overrides)
+        overrides["guide"] = Guide.from_response_format(overrides.pop("response_format"))
     if overrides:
         params = params.replace(**overrides)
     return params

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import InvalidRequestError
+from .guided import Guide
 
 MAX_STOP_STRINGS = 16
 # Total characters over all stop strings. Matching costs O(number of stops) per generated
@@ -53,6 +54,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: the chosen token's and the top-k
     n: int = 1
+    guide: Guide | None = None  # constrain the output to a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -99,6 +101,12 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_N)
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise InvalidRequestError("guide", "must be a kiln.runtime.guided.Guide")
+            if self.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with a constrained output (it ends "
+                                                        "where its grammar completes, with end-of-sequence)")
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +163,7 @@ class SampleState:
     end_ids: frozenset[int]
     output_counts: dict[int, int] = field(default_factory=dict)
     num_output: int = 0
+    grammar: object | None = None  # the sample's llguidance matcher, if its output is constrained
 
     def record(self, token: int) -> None:
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
@@ -168,8 +177,9 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
-def process_logits(logits: np.ndarray, state: SampleState) -> np.ndarray:
-    """Bias, penalties and the min_tokens end-token mask, on a float64 copy of one row."""
+def process_logits(logits: np.ndarray, state: SampleState, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Bias, penalties, the min_tokens end-token mask and the grammar's mask ``allowed``
+    (bool [V], or None), on a float64 copy of one row."""
     p = state.params
     x = logits.astype(np.float64)
     if p.logit_bias:
@@ -186,7 +196,12 @@ def process_logits(logits: np.ndarray, state: SampleState) -> np.ndarray:
         counts = np.fromiter(state.output_counts.values(), dtype=np.float64)
         x[ids] -= p.presence_penalty + p.frequency_penalty * counts
     if state.num_output < p.min_tokens and state.end_ids:
-        x[np.fromiter(state.end_ids, dtype=np.int64)] = -np.inf
+        ends = np.fromiter(state.end_ids, dtype=np.int64)
+        # A complete grammar that allows only an end token wins over min_tokens.
+        if allowed is None or allowed.sum() > allowed[ends[ends < allowed.shape[0]]].sum():
+            x[ends] = -np.inf
+    if allowed is not None:
+        x[~allowed] = -np.inf
     # A tiny repetition_penalty overflows a logit to +inf: keep it the largest finite
     # value (those tokens share the mass) rather than let inf - inf poison the row.
     return np.nan_to_num(x, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
@@ -233,15 +248,19 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     return out / out.sum()
 
 
-def sample_rows(logits: np.ndarray, states: Sequence[SampleState]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row of ``logits`` [N, V] (float32), row i sampled with states[i]."""
+def sample_rows(logits: np.ndarray, states: Sequence[SampleState],
+                allowed: Sequence[np.ndarray | None] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` [N, V] (float32), row i sampled with states[i] and
+    restricted to the tokens ``allowed[i]`` (bool [V]; None: any). Log-probabilities are
+    the model's, before any mask."""
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
-    for row, state in zip(logits, states):
+    for i, (row, state) in enumerate(zip(logits, states)):
         p = state.params
+        mask = None if allowed is None else allowed[i]
         plain = not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                     or state.num_output < p.min_tokens)
-        x = row if plain and p.greedy else process_logits(row, state)
+                     or state.num_output < p.min_tokens or mask is not None)
+        x = row if plain and p.greedy else process_logits(row, state, mask)
         if p.greedy:
             token = int(np.argmax(x))
         else:

@@ -8,7 +8,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import InvalidRequestError
+from ..guided import Guide
 from ..sampling import SamplingParams
+
+
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +45,33 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guide(self) -> Guide | None:
+        """The request's output constraint (at most one of the fields may be given)."""
+        given = [name for name in GUIDE_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.get("type") == "text")]
+        if len(given) > 1:
+            raise InvalidRequestError(given[1], f"give one output constraint, not {' and '.join(given)}")
+        if not given:
+            return None
+        name, value = given[0], getattr(self, given[0])
+        match name:
+            case "response_format":
+                return Guide.from_response_format(value)
+            case "guided_json":
+                return Guide.json_schema(value, name)
+            case "guided_regex":
+                return Guide.regex(value, name)
+            case "guided_choice":
+                return Guide.choice(value, name)
+            case _:
+                return Guide.grammar(value, name)
 
     @field_validator("logit_bias")
     @classmethod
@@ -62,7 +93,8 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()), seed=self.seed,
                 stop=() if self.stop is None else self.stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs, n=self.n)
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs, n=self.n,
+                guide=self.guide())
         except InvalidRequestError:
             raise
         except ValueError as err:
