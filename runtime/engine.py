@@ -45,6 +45,8 @@ from .sampling import SamplingParams
 from .scheduler import POLICIES, Scheduler, SchedulerConfig
 from .stream import RequestCancelled, RequestStream
 from .tokenizer import Message, Tokenizer
+from .tool_calls import detect_format, marker_token_ids
+from .tool_use import prepare_chat
 
 log = logging.getLogger("kiln.engine")
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -122,6 +124,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
+        self._tool_syntax_cache: tuple[str, dict[str, int]] | None = None
         self.metrics.read_gauges_from(self._gauges)
 
     @classmethod
@@ -159,6 +162,14 @@ class Engine:
                                                  self.tokenizer.eos_token_ids)
             return self._grammars
 
+    def _tool_syntax(self) -> tuple[str, dict[str, int]]:
+        """The model's tool-call format (from its chat template) and which call markers are
+        tokens of its vocabulary; worked out once."""
+        if self._tool_syntax_cache is None:
+            fmt = detect_format(self.tokenizer.chat_template)
+            self._tool_syntax_cache = (fmt, marker_token_ids(self.tokenizer.to_json()) if fmt != "kiln_json" else {})
+        return self._tool_syntax_cache
+
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt served: the context window less one output token (the KV
@@ -168,21 +179,27 @@ class Engine:
     # -- public API -----------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, on_token: Callable[[Delta], None] | None = None,
-               **overrides) -> RequestStream:
+               tools: Sequence[Mapping] | None = None, tool_choice=None, **overrides) -> RequestStream:
         """Queue a request; returns its stream at once (never waits for a step). Bad input
         raises here, before any work is queued; so does a full queue
         (EngineOverloadedError) or a draining / closed engine (EngineUnavailableError).
         The prompt is tokenized on the caller's thread. ``on_token`` runs on the core
-        thread for every delta; if it raises, the request fails."""
+        thread for every delta; if it raises, the request fails. ``tools`` / ``tool_choice``
+        (OpenAI's forms, with chat messages): the completion's choices carry the parsed
+        ``tool_calls`` (tool_use.py)."""
         params = _params(params, overrides)
         params.check_vocab(self.config.vocab_size)
-        # Compiled and checked here, on the caller's thread: a bad schema never reaches the core.
-        grammars = self.grammars.matchers(params.guide, params.n) if params.guide is not None else None
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority", "must be an integer")
-        prompt_ids = self.encode_prompt(prompt)
+        chat = prepare_chat(prompt, tools, tool_choice, params.guide, self._tool_syntax)
+        if chat.guide is not params.guide:
+            params = params.replace(guide=chat.guide)
+        # Compiled and checked here, on the caller's thread: a bad schema never reaches the core.
+        grammars = self.grammars.matchers(params.guide, params.n) if params.guide is not None else None
+        prompt_ids = self.encode_prompt(chat.messages, chat.render_tools)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        stream = RequestStream(request_id, params.n, len(prompt_ids), self.abort, on_token, self._stream_ended)
+        stream = RequestStream(request_id, params.n, len(prompt_ids), self.abort, on_token, self._stream_ended,
+                               chat.tool_use)
         # Output budget: max_tokens, and what the context window leaves after the prompt.
         budget = min(params.max_tokens, self.config.context_length - len(prompt_ids))
         end_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -248,8 +265,9 @@ class Engine:
         self.core.inbox.put(AbortRequest(request_id))
         return cancelled
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """A string, chat messages, or token ids -> token ids (validated)."""
+    def encode_prompt(self, prompt: Prompt, tools: Sequence[Mapping] | None = None) -> list[int]:
+        """A string, chat messages (with the ``tools`` their template renders), or token ids
+        -> token ids (validated)."""
         limit = self.max_prompt_tokens
         if isinstance(prompt, str):
             # A text longer than the limit times the longest token's text cannot fit: refuse
@@ -265,7 +283,7 @@ class Engine:
                 raise InvalidRequestError("prompt", f"token id {bad[0]} is outside the vocabulary "
                                                     f"[0, {self.config.vocab_size})")
         elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             raise InvalidRequestError("prompt", "must be a string, token ids, or a list of chat messages")
         if not ids:

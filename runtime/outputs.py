@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .sampling import TokenLogprobs
+from .tool_calls import ToolCall
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,21 @@ class Delta:
 
 @dataclass(frozen=True)
 class Choice:
+    """One sample's result. ``text`` is everything generated; for a request with tools,
+    ``tool_calls`` are the calls read out of it, ``content`` the text outside them (None
+    if there is none), and ``finish_reason`` "tool_calls" when it ended after calls."""
+
     index: int
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
+
+    def __post_init__(self):
+        if self.content is None and not self.tool_calls:
+            object.__setattr__(self, "content", self.text)
 
 
 @dataclass(frozen=True)

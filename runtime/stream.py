@@ -9,6 +9,7 @@ its KV pages at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -32,8 +33,10 @@ class RequestStream:
 
     def __init__(self, request_id: str, n: int, prompt_tokens: int, cancel: Callable[[str], None],
                  on_delta: Callable[[Delta], None] | None = None,
-                 on_end: Callable[["RequestStream"], None] | None = None):
+                 on_end: Callable[["RequestStream"], None] | None = None, tool_use=None):
+        """``tool_use`` (tool_use.ToolUse): read tool calls out of each finished sample."""
         self.request_id = request_id
+        self.tool_use = tool_use
         self.prompt_tokens = prompt_tokens
         self._n = n
         self._cancel = cancel
@@ -156,12 +159,21 @@ class RequestStream:
             raise self._error
         return self.completion()
 
+    def _with_tool_calls(self, choice: Choice) -> Choice:
+        content, calls = self.tool_use.parse(choice.text)
+        if not calls:
+            return choice
+        finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return dataclasses.replace(choice, content=content, tool_calls=tuple(calls), finish_reason=finish)
+
     def completion(self) -> Completion:
         with self._lock:
             choices = tuple(
                 Choice(i, "".join(self._texts[i]), tuple(self._ids[i]), self._finish[i] or "stop",
                        tuple(self._logprobs[i]) if self._logprobs[i] else None)
                 for i in range(self._n))
+        if self.tool_use is not None:
+            choices = tuple(self._with_tool_calls(c) for c in choices)
         first = (self.first_token_at or self.finished_at or time.perf_counter()) - self.created
         total = (self.finished_at or time.perf_counter()) - self.created
         return Completion(self.request_id, choices, self.prompt_tokens, first, total)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from .errors import ArtifactError, InvalidRequestError
+from .messages import check_unicode, normalize_messages
+from .tool_calls import template_supports_tools
 
-Message = Mapping[str, str]
-ROLES = ("system", "user", "assistant", "tool")
+Message = Mapping[str, object]
 
 
 class Tokenizer:
@@ -27,6 +29,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
         self._template = None
         self._max_token_chars: int | None = None
+        self._native_tools: bool | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
@@ -71,17 +74,28 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def native_tools(self) -> bool:
+        """Whether the chat template renders tools and tool calls itself (Llama 3.x, Qwen2,
+        Hermes, Mistral templates read ``tools``; SmolLM2's does not)."""
+        if self._native_tools is None:
+            self._native_tools = template_supports_tools(self.chat_template)
+        return self._native_tools
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping] | None = None) -> list[int]:
         # The template writes any BOS itself, so the post-processor must not add another.
-        # Contents were checked by validate_messages; this catches the rest of the rendered
+        # Contents were checked by normalize_messages; this catches the rest of the rendered
         # prompt (other message keys the template reads, the template's own text).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False,
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False,
                            field="messages")
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping] | None = None) -> str:
+        """``tools``: OpenAI tool definitions, passed to a template that renders them."""
         if not self.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
-        validate_messages(messages)
+        messages = normalize_messages(messages, self.native_tools)
         import jinja2
 
         if self._template is None:
@@ -93,42 +107,20 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3.x
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
             try:
                 self._template = env.from_string(self.chat_template)
             except jinja2.TemplateError as err:
                 raise ArtifactError(f"the artifact's chat template does not parse ({err})") from None
         try:
+            extra = {"tools": [dict(t) for t in tools]} if tools and self.native_tools else {}
             return self._template.render(
-                messages=[dict(m) for m in messages],
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 bos_token=self.config.get("bos_token") or "",
                 eos_token=self.config.get("eos_token") or "",
             )
         except jinja2.TemplateError as err:
             raise InvalidRequestError("messages", f"the chat template failed on these messages ({err})") from None
-
-
-def validate_messages(messages) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-        check_unicode(f"messages[{i}].content", content)
-
-
-def check_unicode(field: str, text: str) -> None:
-    """Reject text with no UTF-8 form. JSON can carry a lone surrogate (``"\\ud800"``) into a
-    Python str, and ``tokenizers`` raises TypeError on one; this is a bad request instead.
-    One encode attempt: UTF-8 fails only on surrogates, and the error gives the position."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InvalidRequestError(
-            field, f"contains invalid Unicode (a lone surrogate at character {err.start})") from None

@@ -30,6 +30,8 @@ VARIANTS = {
     "llama-linear": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "qwen2": dict(model_type="qwen2"),
     "mistral": dict(model_type="mistral", sliding_window=96),
+    # Room for prompts that carry tool definitions (the tiny tokenizer spends ~1 token a byte).
+    "llama-2k": dict(model_type="llama", max_position_embeddings=2048),
 }
 
 

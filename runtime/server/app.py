@@ -40,6 +40,7 @@ from ..version import __version__
 from .config import ServerConfig
 from .errors import APIError, error_body, error_response, install, to_api_error
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from .chat_stream import ChatPieces
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("kiln.server")
@@ -102,14 +103,16 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
 
-            def chunk(delta: Delta) -> dict:
-                return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                        "choices": [{"index": delta.index, "text": delta.text,
-                                     "logprobs": _completion_logprobs(engine, [delta.logprobs])
-                                     if delta.logprobs else None,
-                                     "finish_reason": delta.finish_reason}]}
+            def chunks(delta: Delta) -> list[dict]:
+                if not (delta.text or delta.finish_reason or delta.logprobs):
+                    return []
+                return [{"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                         "choices": [{"index": delta.index, "text": delta.text,
+                                      "logprobs": _completion_logprobs(engine, [delta.logprobs])
+                                      if delta.logprobs else None,
+                                      "finish_reason": delta.finish_reason}]}]
 
-            return _sse(stream, chunk, config, usage and (lambda: {
+            return _sse(stream, chunks, config, usage and (lambda: {
                 "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": [], "usage": _usage(stream)}))
         out = await _collect(stream, request)
@@ -127,31 +130,27 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
                                       logprobs=top if body.logprobs else None)
         if body.max_completion_tokens and not body.max_tokens:
             params = params.replace(max_tokens=body.max_completion_tokens)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
-        stream = await _submit(engine, rid, messages, params, body.priority)
+        stream = await _submit(engine, rid, messages, params, body.priority, tools=body.tools,
+                               tool_choice=body.tool_choice)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            started: set[int] = set()
+            pieces = ChatPieces(stream.tool_use)
 
-            def chunk(delta: Delta) -> dict:
-                piece = {} if delta.finish_reason and not delta.text else {"content": delta.text}
-                if delta.index not in started:
-                    started.add(delta.index)
-                    piece = {"role": "assistant", **({"content": delta.text} if delta.text else {"content": ""})}
-                return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                        "choices": [{"index": delta.index, "delta": piece,
-                                     "logprobs": {"content": _chat_logprobs(engine, [delta.logprobs])}
-                                     if delta.logprobs else None,
-                                     "finish_reason": delta.finish_reason}]}
+            def chunks(delta: Delta) -> list[dict]:
+                logprobs = {"content": _chat_logprobs(engine, [delta.logprobs])} if delta.logprobs else None
+                return [{"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                         "choices": [{"index": delta.index, "delta": piece, "logprobs": logprobs if i == 0 else None,
+                                      "finish_reason": finish}]}
+                        for i, (piece, finish) in enumerate(pieces.of(delta))]
 
-            return _sse(stream, chunk, config, usage and (lambda: {
+            return _sse(stream, chunks, config, usage and (lambda: {
                 "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [], "usage": _usage(stream)}))
         out = await _collect(stream, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": c.finish_reason,
+                "choices": [{"index": c.index, "message": _message(c), "finish_reason": c.finish_reason,
                              "logprobs": {"content": _chat_logprobs(engine, c.logprobs)} if c.logprobs else None}
                             for c in out.choices],
                 "usage": _usage(stream)}
@@ -168,9 +167,10 @@ def probe(app: FastAPI, path: str):
     return register
 
 
-async def _submit(engine: Engine, request_id: str, prompt, params, priority: int) -> RequestStream:
-    """Tokenize, render and queue in a worker thread: the event loop never tokenizes."""
-    submit = functools.partial(engine.submit, prompt, params, priority=priority, request_id=request_id)
+async def _submit(engine: Engine, request_id: str, prompt, params, priority: int, **tools) -> RequestStream:
+    """Tokenize, render, compile any grammar and queue in a worker thread: the event loop
+    never does any of it."""
+    submit = functools.partial(engine.submit, prompt, params, priority=priority, request_id=request_id, **tools)
     try:
         return await anyio.to_thread.run_sync(submit)
     except KilnError as err:
@@ -215,17 +215,17 @@ async def _collect(stream: RequestStream, request: Request):
     return out
 
 
-def _sse(stream: RequestStream, chunk, config: ServerConfig, final=None) -> EventSourceResponse:
-    """Server-sent events: one ``data:`` event per delta with text, a finish reason or
-    logprobs; then the usage chunk if asked for, and ``[DONE]``. An error ends the stream
+def _sse(stream: RequestStream, chunks, config: ServerConfig, final=None) -> EventSourceResponse:
+    """Server-sent events: one ``data:`` event per chunk ``chunks(delta)`` makes of each delta
+    (none for a delta with nothing to say); then the usage chunk if asked for, and ``[DONE]``. An error ends the stream
     with an error event. sse-starlette sends keep-alive comments while nothing is
     generated and cancels the stream (and so the request) when the client disconnects."""
 
     async def events():
         try:
             async for delta in stream:
-                if delta.text or delta.finish_reason or delta.logprobs:
-                    yield {"data": json.dumps(chunk(delta), ensure_ascii=False)}
+                for chunk in chunks(delta):
+                    yield {"data": json.dumps(chunk, ensure_ascii=False)}
             if final:
                 yield {"data": json.dumps(final())}
         except RequestCancelled:
@@ -236,6 +236,14 @@ def _sse(stream: RequestStream, chunk, config: ServerConfig, final=None) -> Even
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(events(), ping=config.sse_ping_s, headers={"Cache-Control": "no-cache"})
+
+
+def _message(choice) -> dict:
+    message = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in choice.tool_calls]
+    return message
 
 
 def _token_text(engine: Engine, token: int) -> str:

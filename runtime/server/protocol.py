@@ -121,10 +121,14 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    """Shapes only; the engine validates the rest, naming the field (messages.py)."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None  # text, or OpenAI's content parts (text parts only)
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -132,3 +136,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    # Accepted for the SDKs that send it; a forced call ("required", a named function) is
+    # one call, and "auto" reads however many the model writes.
+    parallel_tool_calls: bool | None = None
