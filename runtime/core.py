@@ -285,11 +285,13 @@ class EngineCore:
                        if seq.owner is not None and not seq.owner.finished and seq.owner.sampler.grammar is not None]
         if not constrained:
             return {}
+        started = time.perf_counter()
         try:
             rows = fill_masks(self.grammar_executor(), [s.sampler.grammar for s in constrained], vocab_size)
         except Exception as err:  # noqa: BLE001
             log.exception("computing grammar masks failed")
             return {s: err for s in constrained}
+        self.metrics.grammar_masks.observe(time.perf_counter() - started)
         return dict(zip(constrained, rows))
 
     def grammar_executor(self):

@@ -159,7 +159,7 @@ class Engine:
         with self._lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.config.vocab_size,
-                                                 self.tokenizer.eos_token_ids)
+                                                 self.tokenizer.eos_token_ids, on_compile=self.metrics.on_grammar)
             return self._grammars
 
     def _tool_syntax(self) -> tuple[str, dict[str, int]]:
@@ -222,6 +222,8 @@ class Engine:
             self._live[request_id] = stream
             self._queued += 1
         self.metrics.on_submit()
+        if params.guide is not None:
+            self.metrics.on_constrained(params.guide.kind)
         self.core.inbox.put(AddRequest(record))
         self._ensure_thread()
         return stream

@@ -27,7 +27,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -162,7 +162,8 @@ class GrammarCompiler:
     ``eos_ids``: the tokens that end a constrained output where its grammar is complete."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int],
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
+                 cache_size: int = GRAMMAR_CACHE_SIZE, on_compile: Callable[[float | None], None] = lambda s: None):
+        """``on_compile(seconds)`` after each compile; ``on_compile(None)`` on a cache hit."""
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
@@ -172,6 +173,7 @@ class GrammarCompiler:
         self._tokenizer = None  # built on first use (~0.2 s for a 49k vocabulary)
         self._compiled = self._hits = 0
         self._seconds = 0.0
+        self._on_compile = on_compile
 
     @property
     def tokenizer(self):
@@ -188,10 +190,13 @@ class GrammarCompiler:
         guide's field if its schema, regex or grammar is invalid or unsupported."""
         key = (guide.kind, guide.spec)
         with self._lock:
-            if key in self._cache:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
                 self._hits += 1
-                return self._cache[key]
+        if cached is not None:
+            self._on_compile(None)
+            return cached
         import llguidance
 
         if not self.eos_ids:
@@ -204,8 +209,10 @@ class GrammarCompiler:
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if is_error:
             raise InvalidRequestError(guide.field, _short(messages[0] if messages else "invalid grammar"))
+        seconds = time.perf_counter() - started
+        self._on_compile(seconds)
         with self._lock:
-            self._seconds += time.perf_counter() - started
+            self._seconds += seconds
             self._compiled += 1
             self._cache[key] = text
             while len(self._cache) > self._cache_size:

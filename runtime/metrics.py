@@ -108,6 +108,18 @@ class EngineMetrics:
         self._generated = Counter("kiln_generated_tokens", "Tokens generated.", registry=r)
         self._processed = Counter("kiln_processed_tokens", "Tokens run through the model (prompts, recomputes, "
                                                            "decodes).", registry=r)
+        self.grammar_compile = Histogram(
+            "kiln_grammar_compile_seconds", "Time to compile and check a new output constraint (JSON schema, regex, "
+            "grammar, forced tool call); constraints found in the cache are not counted.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.grammar_masks = Histogram(
+            "kiln_grammar_mask_seconds", "Time per step to compute the token masks of its constrained samples.",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r)
+        self._grammar_hits = Counter("kiln_grammar_cache_hits", "Output constraints found compiled in the cache.",
+                                     registry=r)
+        self._constrained = Counter("kiln_constrained_requests", "Requests accepted with a constrained output, by "
+                                                                 "kind (json, regex, choice, grammar).",
+                                    ["kind"], registry=r)
         self._rate = _TokenRate()
         self._gauge_source: Callable[[], dict[str, float]] = dict
         r.register(_Gauges(lambda: self._gauge_source(), self._rate, time.time()))
@@ -118,6 +130,16 @@ class EngineMetrics:
     # -- written by the engine ----------------------------------------------------------
     def on_submit(self) -> None:
         self._requests.inc()
+
+    def on_constrained(self, kind: str) -> None:
+        self._constrained.labels(kind).inc()
+
+    def on_grammar(self, seconds: float | None) -> None:
+        """A constraint compiled in ``seconds``, or (None) found in the cache."""
+        if seconds is None:
+            self._grammar_hits.inc()
+        else:
+            self.grammar_compile.observe(seconds)
 
     def on_reject(self) -> None:
         self._rejected.inc()

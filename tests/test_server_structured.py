@@ -56,6 +56,24 @@ def test_sdk_parses_into_a_pydantic_model(client):
         Pet.model_validate_json(free.choices[0].message.content)
 
 
+def test_metrics_count_constrained_requests_and_compiles(url, client):
+    def value(text, name):
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    before = httpx.get(f"{url}/metrics").text
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": random.randrange(10, 10**6)}},
+        "required": ["n"]}}}
+    for _ in range(2):  # a new schema, then the same one from the cache
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, max_tokens=20)
+    after = httpx.get(f"{url}/metrics").text
+    assert value(after, 'kiln_constrained_requests_total{kind="json"}') - \
+        value(before, 'kiln_constrained_requests_total{kind="json"}') == 2
+    assert value(after, "kiln_grammar_compile_seconds_count") - value(before, "kiln_grammar_compile_seconds_count") == 1
+    assert value(after, "kiln_grammar_cache_hits_total") - value(before, "kiln_grammar_cache_hits_total") == 1
+    assert value(after, "kiln_grammar_mask_seconds_count") > value(before, "kiln_grammar_mask_seconds_count")
+
+
 def test_streamed_structured_output_parses(client):
     schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "tags": {"type": "array", "items": {"enum": ["a", "b"]},

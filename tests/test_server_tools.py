@@ -17,7 +17,7 @@ import pytest
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.tokenizer import Tokenizer
 from test_server import MODEL, serve
-from test_tool_calls import QWEN25
+from test_tool_calls import LLAMA31, MISTRAL, QWEN25
 
 openai = pytest.importorskip("openai")
 
@@ -43,9 +43,12 @@ def _engine(compiled, template: str | None = None) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module", params=["fallback", "hermes"])
+TEMPLATES = {"fallback": None, "hermes": QWEN25, "llama3_json": LLAMA31, "mistral": MISTRAL}
+
+
+@pytest.fixture(scope="module", params=list(TEMPLATES))
 def served(request, compiled):
-    engine = _engine(compiled, QWEN25 if request.param == "hermes" else None)
+    engine = _engine(compiled, TEMPLATES[request.param])
     with serve(engine) as base:
         yield request.param, engine, openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0), base
     engine.close()
@@ -86,9 +89,9 @@ def test_forced_calls_parse_and_follow_the_schema(served, choice):
     for c in out.choices:
         assert c.finish_reason == "tool_calls", c.message
         _check_calls(c.message.tool_calls, only)
-    if kind == "hermes":  # the model's own syntax, tools rendered by its template
-        prompt = engine.tokenizer.apply_chat_template(ASK, tools=TOOLS)
-        assert "get_weather" in prompt and "<tools>" in prompt
+    if kind != "fallback":  # the model's own syntax, tools rendered by its template
+        assert "get_weather" in engine.tokenizer.apply_chat_template(ASK, tools=TOOLS)
+        assert out.choices[0].message.content is None
     streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
                                               max_tokens=200, temperature=1.0, seed=seed, stream=True)
     content, calls, finish = _streamed(streamed)
@@ -132,6 +135,16 @@ def test_bad_tools_and_messages_are_400_naming_the_field(served, extra, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert engine.stats().requests == 0
+
+
+def test_python_api_returns_parsed_calls(served):
+    _, engine, _, _ = served
+    out = engine.generate(ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                          max_tokens=200, temperature=1.0)
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls" and choice.tool_calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(choice.tool_calls[0].arguments), WEATHER_ARGS)
+    assert engine.generate(ASK, max_tokens=4).choices[0].tool_calls == ()
 
 
 def test_text_parts_and_the_developer_role(served):
