@@ -33,6 +33,7 @@ MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20
 MAX_N = 16
 _FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
+EXP_FLOOR = -700.0  # exp(-700) ~ 1e-304 is still a normal float64
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def process_logits(logits: np.ndarray, state: SampleState, allowed: np.ndarray |
         if allowed is None or allowed.sum() > allowed[ends[ends < allowed.shape[0]]].sum():
             x[ends] = -np.inf
     if allowed is not None:
-        x[~allowed] = -np.inf
+        np.copyto(x, -np.inf, where=~allowed)  # no index arrays (x[~allowed] builds one)
     # A tiny repetition_penalty overflows a logit to +inf: keep it the largest finite
     # value (those tokens share the mass) rather than let inf - inf poison the row.
     return np.nan_to_num(x, nan=-np.inf, posinf=np.finfo(np.float64).max, neginf=-np.inf)
@@ -219,7 +220,11 @@ def sampling_distribution(x: np.ndarray, params: SamplingParams) -> np.ndarray:
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]
         x = np.where(x >= kth, x, -np.inf)
     x = x - x.max()
-    probs = np.exp(x)
+    # exp takes ~6x longer on arguments whose result underflows, -inf included (masked
+    # tokens, a low temperature's tail): exponentiate a floored copy, then zero what was
+    # below the floor (a probability under 1e-304).
+    probs = np.exp(np.maximum(x, EXP_FLOOR))
+    probs *= x > EXP_FLOOR
     probs /= probs.sum()
     if params.min_p > 0.0:
         probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
