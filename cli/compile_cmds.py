@@ -9,6 +9,7 @@ import click
 from .main import cli, handle_errors
 
 # The scheme registry is plain Python (no torch): safe to import for the CLI's choices.
+from kiln.runtime.kv_layout import KV_DTYPES  # noqa: E402
 from kiln.runtime.quantization import SCHEMES, parse_quant  # noqa: E402
 
 TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm_89|sm_90"
@@ -30,18 +31,24 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
               help="also quantize the token embedding table")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
               help="also quantize the LM head")
+@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default=None,
+              help="how the KV cache stores keys and values: float32, float16 (half the bytes), or int8 "
+                   "with a float32 scale per token and head (27% of float32's bytes) "
+                   "[default: float16 on CPU targets, float32 on CUDA]")
 @click.option("--tuned/--untuned", default=True, show_default=True,
               help="apply the target's MetaSchedule database under schedules/ when there is one")
 @handle_errors
-def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head, tuned):
+def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head, kv_dtype,
+                    tuned):
     """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
     from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
     from kiln.compiler.targets import parse_target
 
     spec = parse_target(target)
     options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir,
-                             quant=parse_quant(quant, quant_embedding, quant_lm_head), tuned=tuned)
-    out = out or default_out_dir(model, spec, options.quant)
+                             quant=parse_quant(quant, quant_embedding, quant_lm_head), tuned=tuned,
+                             kv_dtype=kv_dtype)
+    out = out or default_out_dir(model, spec, options.quant, kv_dtype)
     path = compile_model(model, out, options, log=lambda m: click.echo(m, err=True))
     click.echo(str(path))
 

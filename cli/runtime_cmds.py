@@ -37,7 +37,7 @@ def inspect_command(artifact, as_json):
         ("context", f"{c.context_length} tokens"),
         ("target", target),
         ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {m.activation_dtype}"),
-        ("kv cache", ", ".join(f"{k} {v}" for k, v in m.kv_cache.items())),
+        ("kv cache", _kv_cache_row(m)),
         ("functions", ", ".join(m.functions)),
         ("dispatch", _dispatch_row(m.dispatch)),
         ("schedules", m.extra.get("schedules", "not recorded")),
@@ -111,6 +111,9 @@ def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, se
                    "128 on CPU, else 512]")
 @click.option("--max-total-tokens", type=int, default=None,
               help="KV-cache capacity in tokens [default: the context window, at least 8192]")
+@click.option("--kv-cache-memory", default=None,
+              help="KV-cache memory budget instead of --max-total-tokens: bytes (2GiB, 512MiB, 1.5GB, 800M, "
+                   "123456) or a fraction of the memory available at load (0.3, 30%)")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True)
 @click.option("--max-waiting", type=int, default=256, show_default=True,
               help="queued requests beyond which new ones get HTTP 429")
@@ -129,28 +132,41 @@ def generate_command(artifact, prompt, max_tokens, temperature, top_k, top_p, se
 @click.option("--log-level", default="info", show_default=True)
 @handle_errors
 def serve_command(artifact, host, port, served_model_name, max_num_seqs, max_batched_tokens, max_total_tokens,
-                  policy, max_waiting, no_prefix_reuse, api_key, api_key_all_routes, max_request_bytes,
-                  shutdown_timeout, header_timeout, keep_alive_timeout, log_level):
+                  kv_cache_memory, policy, max_waiting, no_prefix_reuse, api_key, api_key_all_routes,
+                  max_request_bytes, shutdown_timeout, header_timeout, keep_alive_timeout, log_level):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (graceful on SIGTERM/SIGINT)."""
     from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.kv_budget import KVCacheMemory
     from kiln.runtime.server.serve import serve
 
+    if max_total_tokens is not None and kv_cache_memory is not None:
+        raise click.UsageError("give --max-total-tokens or --kv-cache-memory, not both")
+    if kv_cache_memory is not None:
+        kv_cache_memory = KVCacheMemory.parse(kv_cache_memory, option="--kv-cache-memory")
     config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                          max_total_tokens=max_total_tokens, policy=policy, max_waiting=max_waiting,
-                          prefix_reuse=not no_prefix_reuse)
+                          max_total_tokens=max_total_tokens, kv_cache_memory=kv_cache_memory, policy=policy,
+                          max_waiting=max_waiting, prefix_reuse=not no_prefix_reuse)
     server_config = ServerConfig(api_key=api_key, api_key_all_routes=api_key_all_routes,
                                  max_request_bytes=max_request_bytes, shutdown_timeout_s=shutdown_timeout,
                                  header_timeout_s=header_timeout, keep_alive_s=keep_alive_timeout)
     engine = Engine.load(artifact, config)
     name = served_model_name or Path(artifact).resolve().name
-    stats = engine.stats()
-    click.echo(f"serving {name} on http://{host}:{port}/v1 ({stats.kv_pages_total} KV pages of "
-               f"{engine.core.cache_config.page_size} tokens; prompts up to {engine.max_prompt_tokens} tokens"
-               f"{'; API key required' if api_key else ''})", err=True)
+    click.echo(f"serving {name} on http://{host}:{port}/v1 (prompts up to {engine.max_prompt_tokens} tokens"
+               f"{'; API key required' if api_key else ''})\n{engine.kv_capacity.describe()}", err=True)
     try:
         serve(engine, name, server_config, host=host, port=port, log_level=log_level)
     finally:
         engine.close()
+
+
+def _kv_cache_row(manifest) -> str:
+    """"float16, 23,040 B/token, 16-token pages; 5.7 full-context sequences per GiB"."""
+    from kiln.runtime.kv_sizing import kv_bytes_per_token, kv_dtype, sequences_per_gib
+
+    model = manifest.model
+    per_token = kv_bytes_per_token(model, manifest.kv_cache)
+    return (f"{kv_dtype(manifest.kv_cache)}, {per_token:,} B/token, {manifest.kv_cache.get('page_size', '?')}-token "
+            f"pages; {sequences_per_gib(per_token, model.context_length):,.1f} full-context sequences per GiB")
 
 
 def _dispatch_row(dispatch) -> str:

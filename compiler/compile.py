@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.runtime.artifact import LIBRARY_FILE, PARAMS_FILE, SCHEMA_VERSION, FunctionSpec, Manifest
+from kiln.runtime.kv_layout import KV_DTYPES, KVLayout
 from kiln.runtime.quantization import SCHEMES, QuantConfig
 from kiln.runtime.version import __version__
 
@@ -36,12 +37,24 @@ class CompileOptions:
     # The database folder to apply instead of the target's under schedules/ (kiln tune's
     # step gate builds with its candidate records). None: the target's, when tuned.
     schedules_dir: Path | None = None
+    # How the KV cache stores keys and values (``kiln.runtime.kv_layout``); None: the
+    # target's default (``default_kv_dtype``).
+    kv_dtype: str | None = None
 
     def __post_init__(self):
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype not in (None, "float32") and self.target.kind != "llvm":
+            raise ValueError(f"kv_dtype {self.kv_dtype}: packed KV caches are read by Kiln's CPU kernels only; "
+                             f"{self.target.kind} artifacts keep float32 KV for now")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be at least 2, got {self.context_length}")
         if self.schedules_dir is not None and not self.tuned:
             raise ValueError("schedules_dir names a database to apply, but tuned is False")
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.kv_dtype or default_kv_dtype(self.target)
 
     def database_folder(self) -> Path | None:
         """The folder whose MetaSchedule database this compile applies (None: default rules only)."""
@@ -51,6 +64,13 @@ class CompileOptions:
 
 
 Log = Callable[[str], None]
+
+
+def default_kv_dtype(target: TargetSpec) -> str:
+    """float16 on CPU targets (top-1 agreement with float32 KV above 99.5% on the default
+    model: README, "KV-cache precision"); CUDA artifacts keep float32 until TVM's CUDA
+    kernels read a packed cache."""
+    return "float16" if target.kind == "llvm" else "float32"
 
 
 @contextlib.contextmanager
@@ -94,7 +114,8 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
                  "default rules elsewhere" if database is not None else "default rules")
     log(f"schedules: {schedules}")
     with _step(log, f"build for {options.target.key}"):
-        executable, params = build_module(functions, options.target, config, static_dims, database)
+        executable, params = build_module(functions, options.target, config, static_dims, database,
+                                          options.resolved_kv_dtype)
 
     def build(tmp: Path):
         with _step(log, "write artifact"):
@@ -112,9 +133,10 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
             target=target_info,
             quantization=options.quant.scheme.name,
             activation_dtype="float32",
-            kv_cache={"layout": "paged", "dtype": "float32", "page_size": PAGE_SIZE,
+            kv_cache={"layout": "paged", "page_size": PAGE_SIZE,
                       "num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
-                      "head_dim": config.head_dim, "rope": "graph"},
+                      "head_dim": config.head_dim, "rope": "graph",
+                      **KVLayout.of(config, options.resolved_kv_dtype).to_dict(config.num_layers)},
             functions={
                 FACTORY: FunctionSpec(CACHE_ARGS, ("kv_cache",)),
                 **{name: FunctionSpec((*(v.name for v in g.graph.inputs), "kv_cache"),
@@ -131,7 +153,8 @@ def compile_graphs(source: ModelSource, graphs: ExportedGraphs, out_dir: str | P
     return write_artifact(Path(out_dir), build)
 
 
-def default_out_dir(model: str | Path, target: TargetSpec, quant: QuantConfig | None = None) -> Path:
+def default_out_dir(model: str | Path, target: TargetSpec, quant: QuantConfig | None = None,
+                    kv_dtype: str | None = None) -> Path:
     """``artifacts/<model name>[-<quant>]-<target key>``: a convenience name only (so
     builds of one model do not overwrite each other); the manifest, not the folder name,
     says what an artifact is."""
@@ -142,4 +165,5 @@ def default_out_dir(model: str | Path, target: TargetSpec, quant: QuantConfig | 
         stem = (path.stem if path.suffix == ".gguf" else path.resolve().name).lower()
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in stem)
     scheme = "" if quant is None or quant.is_float else f"-{quant.scheme.name}"
-    return Path("artifacts") / f"{safe}{scheme}-{target.key}"
+    kv = "" if kv_dtype in (None, default_kv_dtype(target)) else f"-kv{kv_dtype}"
+    return Path("artifacts") / f"{safe}{scheme}{kv}-{target.key}"

@@ -32,12 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
+from . import kv_budget
 from .artifact import Manifest, load_manifest, verify_files
 from .core import AbortRequest, AddRequest, EngineCore, EngineStats, FinishAll, RequestRecord, RunInCore, Stop
 from .device import open_device
 from .errors import InvalidRequestError, KilnError, PromptTooLongError
 from .executor import CacheConfig, PagedExecutor
 from .guided import GrammarCompiler, Guide
+from .kv_budget import KVCacheMemory
+from .kv_sizing import KVCapacity, cache_pages, kv_bytes_per_token, kv_dtype, tokens_for, tokens_in_budget
 from .metrics import EngineMetrics
 from .model_config import ModelConfig
 from .outputs import Completion, Delta
@@ -64,16 +67,21 @@ class EngineUnavailableError(KilnError):
 class EngineConfig:
     """Serving limits, validated once. ``max_total_tokens``: KV-cache capacity in tokens
     over all sequences (default: the context window, at least 8192; never less than one
-    full-context sequence); ``max_batched_tokens``: tokens per step (the prefill chunk);
-    None: the artifact's largest static prefill bucket (128 tokens on CPU: a step then runs
-    in one static piece, and the streams decoding beside a prefill wait ~2 decode steps,
-    not ~6 as with 512; a lone prompt's prefill takes as long either way), else 512;
+    full-context sequence); ``kv_cache_memory``: the KV cache's memory budget instead, a
+    byte count or a fraction of the memory available at load ("2GiB", "800M", 123456,
+    "0.3", "30%", 0.3: ``kv_budget.py``; a KVCacheMemory once validated), checked then
+    against that memory and refused if it cannot hold one full-context sequence;
+    ``max_batched_tokens``: tokens per step (the prefill chunk); None: the artifact's
+    largest static prefill bucket (128 tokens on CPU: a step then runs in one static
+    piece, and the streams decoding beside a prefill wait ~2 decode steps, not ~6 as with
+    512; a lone prompt's prefill takes as long either way), else 512;
     ``max_waiting``: queued requests beyond which ``submit`` refuses new ones;
     ``stall_timeout_s``: a core that publishes nothing for this long is reported
     unhealthy."""
 
     max_num_seqs: int = 16
     max_total_tokens: int | None = None
+    kv_cache_memory: KVCacheMemory | str | int | float | None = None
     max_batched_tokens: int | None = None
     watermark: float = 0.01
     policy: str = "fcfs"
@@ -91,6 +99,12 @@ class EngineConfig:
         if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
                                                   or self.max_total_tokens < 1):
             raise ValueError(f"max_total_tokens must be a positive integer, got {self.max_total_tokens!r}")
+        if self.kv_cache_memory is not None:
+            if self.max_total_tokens is not None:
+                raise ValueError("give max_total_tokens or kv_cache_memory (a token count or a memory budget for "
+                                 "the KV cache), not both")
+            # Parsed once here; the engine only ever sees a KVCacheMemory.
+            object.__setattr__(self, "kv_cache_memory", KVCacheMemory.parse(self.kv_cache_memory))
         if self.max_batched_tokens is not None and self.max_batched_tokens < self.max_num_seqs:
             raise ValueError("max_batched_tokens must be >= max_num_seqs (each running sequence decodes a token)")
         if not 0.0 <= self.watermark < 0.5:
@@ -112,7 +126,15 @@ class Engine:
         self.folder = folder
         self.tokenizer = tokenizer
         self.metrics = EngineMetrics()
-        cache_config, scheduler_config = _sizes(model, executor.page_size, self.engine_config)
+        kv_cache = manifest.kv_cache if manifest is not None else {}
+        bytes_per_token = kv_bytes_per_token(model, kv_cache)
+        budget = _kv_budget(self.engine_config, executor, manifest)
+        cache_config, scheduler_config = _sizes(model, executor.page_size, self.engine_config, bytes_per_token,
+                                                budget)
+        self.kv_capacity = KVCapacity(kv_dtype(kv_cache), bytes_per_token, executor.page_size,
+                                      scheduler_config.total_pages, model.context_length, budget)
+        self.metrics.set_kv_capacity(self.kv_capacity)
+        log.info("%s", self.kv_capacity.describe())
         self.core = EngineCore(executor, cache_config, scheduler_config, self.metrics, self._dequeued)
         # Guards the client-side registry below; held for a few dict operations, never
         # across a step (the core never takes it while it computes).
@@ -421,19 +443,28 @@ def _resolved(config: EngineConfig, manifest: Manifest | None) -> EngineConfig:
     return dataclasses.replace(config, max_batched_tokens=max(max(buckets, default=512), config.max_num_seqs))
 
 
-def _sizes(model: ModelConfig, page_size: int, ec: EngineConfig) -> tuple[CacheConfig, SchedulerConfig]:
+def _kv_budget(ec: EngineConfig, executor, manifest: Manifest | None) -> int | None:
+    """``kv_cache_memory`` in bytes, checked against the memory its device has now (a GPU
+    artifact's cache lives in GPU memory), or None without a budget."""
+    if ec.kv_cache_memory is None:
+        return None
+    on_gpu = manifest is not None and manifest.target.device != "cpu"
+    return ec.kv_cache_memory.resolve(kv_budget.available_memory(executor.device if on_gpu else None))
+
+
+def _sizes(model: ModelConfig, page_size: int, ec: EngineConfig, bytes_per_token: int,
+           budget: int | None) -> tuple[CacheConfig, SchedulerConfig]:
     """KV-cache and scheduler sizes. Capacity matches what is promised: a prompt of up to
     context - 1 tokens and its output always fit one sequence alone above the watermark,
-    whatever ``max_total_tokens`` says (the cache grows to that)."""
-    pages_for_context = -(-model.context_length // page_size) + 1
-    total = max(ec.max_total_tokens or max(model.context_length, 8192), model.context_length + page_size)
-    while True:
-        # TVM's cache holds ceil(tokens / page_size) pages plus one (create_kv_cache).
-        total_pages = -(-total // page_size) + 1
-        watermark = int(total_pages * ec.watermark)
-        if total_pages - watermark >= pages_for_context:
-            break
-        total += (pages_for_context - (total_pages - watermark)) * page_size
+    whatever ``max_total_tokens`` says (the cache grows to that); a ``budget`` (bytes) too
+    small for that is refused (kv_sizing.py)."""
+    if budget is None:
+        total = tokens_for(ec.max_total_tokens or max(model.context_length, 8192), model.context_length,
+                           page_size, ec.watermark)
+    else:
+        total = tokens_in_budget(budget, bytes_per_token, page_size, model.context_length, ec.watermark)
+    total_pages = cache_pages(total, page_size)
+    watermark = int(total_pages * ec.watermark)
     cache = CacheConfig(max_batch_size=ec.max_num_seqs, max_total_tokens=total,
                         prefill_chunk_size=ec.max_batched_tokens, page_size=page_size)
     scheduler = SchedulerConfig(max_num_seqs=ec.max_num_seqs, max_batched_tokens=ec.max_batched_tokens,

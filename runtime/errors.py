@@ -28,3 +28,12 @@ class InvalidRequestError(KilnError, ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class ConfigError(KilnError, ValueError):
+    """A serving option is malformed, or cannot be honoured with this artifact on this host
+    (a KV-cache budget larger than the memory available, or too small for one sequence)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option

@@ -25,6 +25,7 @@ import numpy as np
 
 from .artifact import LIBRARY_FILE, Manifest, prefill_bucket_name, read_params
 from .errors import ArtifactError
+from .kv_layout import KVLayout
 from .tvm_runtime import VirtualMachine, tvm
 
 REQUIRED_FUNCTIONS = ("create_kv_cache", "prefill", "decode")
@@ -83,8 +84,8 @@ class KVCache:
     """One paged KV cache object with its sequence operations (thin wrappers: TVM checks
     its own invariants and raises on misuse)."""
 
-    def __init__(self, handle, builtins: _Builtins, config: CacheConfig, device):
-        self.handle, self._b, self.config, self.device = handle, builtins, config, device
+    def __init__(self, handle, builtins: _Builtins, config: CacheConfig, device, layout: KVLayout):
+        self.handle, self._b, self.config, self.device, self.layout = handle, builtins, config, device, layout
         self.total_pages = int(builtins.available(handle))
 
     def add(self, seq_id: int) -> None:
@@ -108,13 +109,13 @@ class KVCache:
         return int(self._b.available(self.handle))
 
     def read_kv(self, seq_id: int, length: int, model) -> tuple[np.ndarray, np.ndarray]:
-        """A sequence's cached keys and values (for verification):
-        two [num_layers, length, num_kv_heads, head_dim] arrays."""
-        shape = (model.num_layers, length, model.num_kv_heads, model.head_dim)
+        """A sequence's cached keys and values (for verification), decoded from the stored
+        form: two [num_layers, length, num_kv_heads, head_dim] float32 arrays."""
+        shape = (model.num_layers, length, model.num_kv_heads, self.layout.words)
         k = tvm.runtime.empty(shape, "float32", self.device)
         v = tvm.runtime.empty(shape, "float32", self.device)
         self._b.debug_get_kv(self.handle, seq_id, 0, length, k, v)
-        return k.numpy(), v.numpy()
+        return self.layout.decode(k.numpy()), self.layout.decode(v.numpy())
 
 
 class PagedExecutor:
@@ -147,6 +148,7 @@ class PagedExecutor:
         self._arrays = arrays  # keeps the memory map alive
         self._builtins = _Builtins()
         self.page_size = int(manifest.kv_cache["page_size"])
+        self.kv_layout = KVLayout.of(manifest.model, manifest.kv_cache.get("dtype", "float32"))
         self._prefill_buckets = {prefill_bucket_name(t): t for t in manifest.dispatch.static_prefill}
 
     def create_cache(self, config: CacheConfig) -> KVCache:
@@ -154,7 +156,7 @@ class PagedExecutor:
             raise ValueError(f"page_size: this artifact's kernels use {self.page_size}-token pages")
         shape = tvm.runtime.ShapeTuple([config.max_batch_size, config.max_total_tokens,
                                         config.prefill_chunk_size, config.page_size, 0])
-        return KVCache(self._fns["create_kv_cache"](shape), self._builtins, config, self.device)
+        return KVCache(self._fns["create_kv_cache"](shape), self._builtins, config, self.device, self.kv_layout)
 
     def _tensor(self, array: np.ndarray):
         return tvm.runtime.tensor(array, self.device)
@@ -178,6 +180,11 @@ class PagedExecutor:
         pieces: static buckets first, the remainder through ``prefill``."""
         if via is not None:
             self._check_via(via, chunks)
+        context = self.manifest.model.context_length
+        for c in chunks:  # positions past the context index past the RoPE tables: refuse, never run
+            if c.start + len(c.tokens) > context:
+                raise ValueError(f"sequence {c.seq_id}: positions up to {c.start + len(c.tokens) - 1} exceed the "
+                                 f"artifact's context of {context} tokens")
         if not chunks:
             return np.zeros((0, self.manifest.model.vocab_size), dtype=np.float32)
         total = sum(len(c.tokens) for c in chunks)

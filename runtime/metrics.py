@@ -6,7 +6,8 @@ own gaps), step time, request latency. Counters: requests accepted / finished (b
 reason) / aborted / failed / rejected, preemptions, failed steps, prompt and generated
 tokens. Gauges are read at scrape time from the snapshot the engine core publishes each
 step (queue depth, running requests, KV pages held by requests and by the prefix cache),
-so a scrape never waits for the engine.
+so a scrape never waits for the engine. The KV cache's size (bytes, tokens, full-context
+sequences, bytes per token, and its dtype as ``kiln_kv_cache_info``) is set once at load.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 RATE_WINDOW_S = 10
@@ -120,6 +121,17 @@ class EngineMetrics:
         self._constrained = Counter("kiln_constrained_requests", "Requests accepted with a constrained output, by "
                                                                  "kind (json, regex, choice, grammar).",
                                     ["kind"], registry=r)
+        self._kv_info = Info("kiln_kv_cache", "The KV cache's element dtype and page size (tokens).", registry=r)
+        self._kv_sizes = {
+            "bytes": Gauge("kiln_kv_cache_bytes", "Bytes of the KV cache's pages.", registry=r),
+            "tokens": Gauge("kiln_kv_cache_capacity_tokens", "Tokens the KV cache holds over all sequences.",
+                            registry=r),
+            "full_context_sequences": Gauge("kiln_kv_cache_full_context_sequences",
+                                            "Sequences of the whole context window the KV cache holds at once.",
+                                            registry=r),
+            "bytes_per_token": Gauge("kiln_kv_bytes_per_token", "Bytes of KV one cached token takes over all "
+                                                                "layers.", registry=r),
+        }
         self._rate = _TokenRate()
         self._gauge_source: Callable[[], dict[str, float]] = dict
         r.register(_Gauges(lambda: self._gauge_source(), self._rate, time.time()))
@@ -128,6 +140,12 @@ class EngineMetrics:
         self._gauge_source = source
 
     # -- written by the engine ----------------------------------------------------------
+    def set_kv_capacity(self, capacity) -> None:
+        """The KV cache's size (a ``kv_sizing.KVCapacity``), once at load."""
+        self._kv_info.info({"dtype": capacity.dtype, "page_size": str(capacity.page_size)})
+        for name, gauge in self._kv_sizes.items():
+            gauge.set(getattr(capacity, name))
+
     def on_submit(self) -> None:
         self._requests.inc()
 

@@ -16,17 +16,23 @@ import numpy as np
 from .executor import CacheConfig, Chunk
 
 
-def teacher_forced_logits(engine, ids: Sequence[int]) -> np.ndarray:
-    """One prefill of ``ids`` with logits at every position but the last: [T - 1, V]."""
+def teacher_forced_logits(engine, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
+    """Prefill of ``ids`` with logits at every position but the last: [T - 1, V]. In one
+    piece, or in ``chunk``-token pieces: each then attends over the earlier pieces as the
+    cache stores them (its paged path), as a served request's later steps do."""
     ids = tuple(int(t) for t in ids)
     if len(ids) < 2:
         raise ValueError("need at least two tokens")
+    n = len(ids) - 1
+    chunk = chunk or n
     ex = engine._executor  # noqa: SLF001  (the engine's own cache is not involved)
     cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=len(ids) + ex.page_size,
-                                        prefill_chunk_size=len(ids), page_size=ex.page_size))
+                                        prefill_chunk_size=chunk, page_size=ex.page_size))
     cache.add(0)
     try:
-        return ex.forward(cache, [Chunk(0, ids[:-1], 0, tuple(range(len(ids) - 1)))])
+        return np.concatenate([ex.forward(cache, [Chunk(0, ids[i:min(i + chunk, n)], i,
+                                                        tuple(range(min(chunk, n - i))))])
+                               for i in range(0, n, chunk)])
     finally:
         cache.remove(0)
 

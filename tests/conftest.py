@@ -54,17 +54,20 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, checkpoint):
-    """compiled(variant, target) -> an artifact folder of that tiny checkpoint (cached)."""
+    """compiled(variant, target, kv_dtype) -> an artifact folder of that tiny checkpoint
+    (cached). The KV cache is float32 unless asked: most tests hold the artifact to torch's
+    float32 numbers (1e-4), which a float16 / int8 cache rounds away from by design
+    (test_kv_dtypes.py bounds those)."""
     from kiln.compiler.compile import CompileOptions, compile_model
     from kiln.compiler.targets import parse_target
 
-    cache: dict[tuple[str, str], Path] = {}
+    cache: dict[tuple[str, str, str], Path] = {}
 
-    def make(variant: str = "llama", target: str = "llvm") -> Path:
-        key = (variant, target)
+    def make(variant: str = "llama", target: str = "llvm", kv_dtype: str = "float32") -> Path:
+        key = (variant, target, kv_dtype)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"art-{variant}-{target.replace(':', '-')}") / "artifact"
-            cache[key] = compile_model(checkpoint(variant), out, CompileOptions(parse_target(target)))
+            out = tmp_path_factory.mktemp(f"art-{variant}-{target.replace(':', '-')}-{kv_dtype}") / "artifact"
+            cache[key] = compile_model(checkpoint(variant), out, CompileOptions(parse_target(target), kv_dtype=kv_dtype))
         return cache[key]
 
     return make
@@ -72,12 +75,15 @@ def compiled(tmp_path_factory, checkpoint):
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory):
-    """The embedded default model (SmolLM2-135M-Instruct) compiled for this CPU."""
+    """The embedded default model (SmolLM2-135M-Instruct) compiled for this CPU, with a
+    float32 KV cache: its tests hold it to torch's float32 logits (1e-3 on logits of ~30);
+    the float16 / int8 caches are held to the float32 one in test_kv_quality.py."""
     from kiln.compiler.compile import CompileOptions, compile_model
     from kiln.compiler.targets import parse_target
 
     out = tmp_path_factory.mktemp("smollm2") / "artifact"
-    return compile_model("default", out, CompileOptions(parse_target("llvm"), context_length=2048))
+    return compile_model("default", out, CompileOptions(parse_target("llvm"), context_length=2048,
+                                                        kv_dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -70,15 +70,20 @@ def test_paged_attention_rejects_what_the_cache_cannot_compute():
         rewrite_paged_attention(ir.serde.deserialize_model(_attention_graph(with_past=False, mask=True)))
 
 
-def test_paged_attention_computes_what_onnxruntime_computes():
+@pytest.mark.parametrize("kv_dtype,kernels", [("float32", "tvm"), ("float32", "kiln"), ("float16", "kiln"),
+                                              ("int8", "kiln")])
+def test_paged_attention_computes_what_onnxruntime_computes(kv_dtype, kernels):
     """Lowered onto TVM's paged KV cache: a causal prefill of P past tokens, then S new
     tokens attending over past + new, equals onnxruntime's explicit Attention given the
-    same past keys and values."""
+    same past keys and values. With a float16 / int8 cache, onnxruntime gets every key and
+    value as the cache stores it (rounded by ``KVLayout``'s numpy reference): the graph's
+    packing must round exactly so."""
     import tvm
     from tvm import relax
 
     from kiln.compiler.lower.importer import import_graphs
-    from kiln.compiler.lower.kv_cache import add_kv_cache_factory
+    from kiln.compiler.lower.kv_cache import add_kv_cache_factory, use_kiln_cpu_attention
+    from kiln.runtime.kv_layout import KVLayout
     from kiln.compiler.lower.pipeline import relax_pipeline
     from kiln.compiler.targets import parse_target
     from kiln.runtime.model_config import ModelConfig
@@ -86,14 +91,16 @@ def test_paged_attention_computes_what_onnxruntime_computes():
     rng = np.random.default_rng()
     b, p, s = 2, int(rng.integers(1, 20)), int(rng.integers(1, 6))
     graph = rewrite_paged_attention(ir.serde.deserialize_model(_attention_graph(with_past=False)))
-    mod, params = import_graphs({"main": graph})
+    mod, params = import_graphs({"main": graph}, kv_dtype=kv_dtype)
     config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=HQ * D, intermediate_size=8, num_layers=2,
                          num_heads=HQ, num_kv_heads=HKV, head_dim=D, rms_norm_eps=1e-5, rope_theta=1e4,
                          context_length=64)
     target = parse_target("llvm").tvm_target()
     bb = relax.BlockBuilder(mod)
-    add_kv_cache_factory(bb, config, target)
-    exe = tvm.compile(bb.get(), target=target, relax_pipeline=relax_pipeline(target))
+    layout = KVLayout.of(config, kv_dtype)
+    add_kv_cache_factory(bb, config, target, layout)
+    mod = bb.get() if kernels == "tvm" else use_kiln_cpu_attention(bb.get(), layout)
+    exe = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     vm = relax.VirtualMachine(exe, tvm.cpu())
     kv = vm["create_kv_cache"](tvm.runtime.ShapeTuple([b, 256, 64, 16, 0]))
     g = tvm.get_global_func
@@ -121,10 +128,14 @@ def test_paged_attention_computes_what_onnxruntime_computes():
     got = run(new, s)
     # Causal over the new block, full over the past: bottom-right aligned, as ONNX defines it.
     explicit = _attention_graph(with_past=True, causal=True)
-    feeds = dict(new)
+
+    def stored(x):  # [b, n, Hkv*D] as the cache holds it
+        return layout.decode(layout.encode(x.reshape(*x.shape[:2], HKV, D))).reshape(x.shape)
+
+    feeds = {name: (x if name[0] == "q" else stored(x)) for name, x in new.items()}
     for i in range(2):
         for x, name in (("k", "key"), ("v", "value")):
-            feeds[f"past{i}.{name}"] = past[f"{x}{i}"].reshape(b, p, HKV, D).transpose(0, 2, 1, 3).copy()
+            feeds[f"past{i}.{name}"] = stored(past[f"{x}{i}"]).reshape(b, p, HKV, D).transpose(0, 2, 1, 3).copy()
     want = ort.InferenceSession(explicit.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5)
     np.testing.assert_allclose(got[1], want[3], atol=1e-5)

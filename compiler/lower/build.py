@@ -7,6 +7,7 @@ import os
 
 import onnx_ir as ir
 
+from kiln.runtime.kv_layout import KVLayout
 from kiln.runtime.model_config import ModelConfig
 
 from ..targets import TargetSpec
@@ -34,29 +35,31 @@ def cuda_compile_mode(target: TargetSpec):
 
 
 def relax_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
-                 static_dims: dict[str, dict[str, int]] | None = None):
+                 static_dims: dict[str, dict[str, int]] | None = None, kv_dtype: str = "float32"):
     """Import the graphs into one module and add the KV-cache factory (and, on CPU, Kiln's
     attention kernels): what the pipeline compiles. Returns (module, params).
-    ``static_dims``: the static buckets (``buckets.py``)."""
+    ``static_dims``: the static buckets (``buckets.py``); ``kv_dtype``: the cache's stored
+    form (``kiln.runtime.kv_layout``)."""
     from tvm import relax
 
     cpu = target.kind == "llvm"
-    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=cpu, row_tiles=cpu)
+    layout = KVLayout.of(config, kv_dtype)
+    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=cpu, row_tiles=cpu, kv_dtype=kv_dtype)
     bb = relax.BlockBuilder(mod)
-    add_kv_cache_factory(bb, config, target.tvm_target())
+    add_kv_cache_factory(bb, config, target.tvm_target(), layout)
     mod = bb.get()
     if target.kind == "llvm":
-        mod = use_kiln_cpu_attention(mod, config)
+        mod = use_kiln_cpu_attention(mod, layout)
     return mod, params
 
 
 def build_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig,
-                 static_dims: dict[str, dict[str, int]] | None = None, database=None):
+                 static_dims: dict[str, dict[str, int]] | None = None, database=None, kv_dtype: str = "float32"):
     """``relax_module``, compiled. Returns (executable, params). ``database``: MetaSchedule
     records to apply before the default rules (``tune/``)."""
     import tvm
 
-    mod, params = relax_module(graphs, target, config, static_dims)
+    mod, params = relax_module(graphs, target, config, static_dims, kv_dtype)
     tvm_target = target.tvm_target()
     with cuda_compile_mode(target):
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=relax_pipeline(tvm_target, database))

@@ -28,6 +28,8 @@ class ConvertContext:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # The paged KV cache object this function takes, when it has paged attention.
     kv_cache: relax.Var | None = None
+    # How that cache stores K / V (``kiln.runtime.kv_layout.KV_DTYPES``).
+    kv_dtype: str = "float32"
     # Every converted value so far, by ONNX value name.
     values: dict[str, relax.Expr] = field(default_factory=dict)
     # Weight-only quantized weights by ONNX value name (converters/quantized.py).

@@ -61,15 +61,17 @@ class TaskResult:
 Log = Callable[[str], None]
 
 
-def fused_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig):
-    """The model's module after fusion: every kernel is one PrimFunc, unscheduled."""
+def fused_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelConfig, kv_dtype: str | None = None):
+    """The model's module after fusion: every kernel is one PrimFunc, unscheduled.
+    ``kv_dtype``: the KV cache's stored form (default: the target's, as ``kiln compile``)."""
     import tvm
 
+    from ..compile import default_kv_dtype
     from ..lower.build import relax_module
     from ..lower.pipeline import fusion_passes
 
     functions, static_dims = with_buckets(graphs, target, config.context_length)
-    mod, _ = relax_module(functions, target, config, static_dims)
+    mod, _ = relax_module(functions, target, config, static_dims, kv_dtype or default_kv_dtype(target))
     with target.tvm_target():
         return tvm.transform.Sequential(fusion_passes())(mod)
 

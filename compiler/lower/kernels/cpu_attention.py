@@ -19,6 +19,12 @@ Softmax state: scores s = q.k * sm_scale * log2(e); lse = m + log2(sum exp2(s - 
 cache can merge partial results (prefix blocks, ragged + paged parts) as TVM's do.
 Rotary embedding is never applied here (Kiln's graphs rotate q and k themselves), and
 sliding windows are not supported (TVM's kernels remain in those slots).
+
+Stored form (``kiln.runtime.kv_layout``): the cache's tensors are float32 *words*
+([.., words] per head row); the kernels view a K/V row as ``head_dim`` float32, float16 or
+int8 elements (int8 rows end in their float32 scale, applied once per score and once per
+weight), and a query / output head as ``q_split`` word rows. The reads convert in
+registers; no float copy of a cached row is made.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import math
 
 from tvm.script import tirx as T
 
+from kiln.runtime.kv_layout import KVLayout
+
 LOG2E = math.log2(math.exp(1))
 LN2 = math.log(2)
 NEG = -5e4
@@ -34,6 +42,7 @@ VEC = 16
 BLOCK = 16  # keys per block in the ragged kernel
 QT = VEC  # queries per task in the ragged kernel: one vector of lanes
 HALF = 8  # keys whose scores accumulate side by side there
+STORAGE = {"float32": "float32", "float16": "float16", "int8": "int8"}
 
 
 def _exp2_poly(x):
@@ -49,10 +58,17 @@ def _exp2_poly(x):
         "float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
-def _core(d: int, dtype: str, block: int):
+def _views(layout: KVLayout):
+    """(element dtype of a stored row, elements per row, whether rows carry a scale)."""
+    return STORAGE[layout.dtype], layout.words * layout.elems_per_word, layout.dtype == "int8"
+
+
+def _core(layout: KVLayout, block: int):
     """The online-softmax steps every kernel shares, as TVMScript macros. Per task:
     acc [d] running output, lane [VEC] dot-product lanes, scores and weights [block],
     state [3] = (running max m, running sum, block max)."""
+    d, w, qs = layout.head_dim, layout.words, layout.q_split
+    _, _, scaled = _views(layout)
     lanes = VEC if d % VEC == 0 else 1
 
     @T.macro
@@ -64,26 +80,34 @@ def _core(d: int, dtype: str, block: int):
 
     @T.macro
     def attend(acc: T.Buffer, lane: T.Buffer, scores: T.Buffer, weights: T.Buffer, state: T.Buffer, q: T.Buffer,
-               row: T.int32, h: T.int32, keys: T.Buffer, values: T.Buffer, rows: T.int32, sm_scale: T.float32):
-        # keys, values: [block, d] views; q[row, h, :] is the query.
+               row: T.int32, h: T.int32, keys: T.Buffer, values: T.Buffer, key_words: T.Buffer,
+               value_words: T.Buffer, rows: T.int32, sm_scale: T.float32):
+        # keys, values: [block, elements] views of the stored rows; key_words, value_words:
+        # the same rows as [block, words] float32 (int8: the scale is the last word);
+        # q[row, h, :head_dim] is the query.
         state[2] = T.float32(NEG)
         for j in T.serial(rows):
             for l in T.vectorized(lanes):
                 lane[l] = T.float32(0)
             for c in T.serial(d // lanes):
                 for l in T.vectorized(lanes):
-                    lane[l] = lane[l] + T.Cast("float32", q[row, h, c * lanes + l]) * T.Cast(
-                        "float32", keys[j, c * lanes + l])
+                    lane[l] = lane[l] + q[row, h, c * lanes + l] * T.Cast("float32", keys[j, c * lanes + l])
             # Sum the lanes by halving vector adds (a serial scalar sum of 16 lanes cost
-            # more than the dot product itself). With lanes = 1 the loops are empty.
-            for l in T.vectorized(lanes // 2):
-                lane[l] = lane[l] + lane[l + lanes // 2]
-            for l in T.vectorized(lanes // 4):
-                lane[l] = lane[l] + lane[l + lanes // 4]
-            for l in T.vectorized(lanes // 8):
-                lane[l] = lane[l] + lane[l + lanes // 8]
-            scores[j] = (lane[0] + T.if_then_else(lanes > 1, lane[lanes // 16], T.float32(0))) * sm_scale * T.float32(
-                LOG2E)
+            # more than the dot product itself). With lanes = 1 there is nothing to sum
+            # (and TVM refuses a vectorized loop of extent 0).
+            if lanes > 1:
+                for l in T.vectorized(lanes // 2):
+                    lane[l] = lane[l] + lane[l + lanes // 2]
+                for l in T.vectorized(lanes // 4):
+                    lane[l] = lane[l] + lane[l + lanes // 4]
+                for l in T.vectorized(lanes // 8):
+                    lane[l] = lane[l] + lane[l + lanes // 8]
+            if scaled:
+                scores[j] = (lane[0] + T.if_then_else(lanes > 1, lane[lanes // 16], T.float32(0))) * key_words[
+                    j, w - 1] * sm_scale * T.float32(LOG2E)
+            else:
+                scores[j] = (lane[0] + T.if_then_else(lanes > 1, lane[lanes // 16], T.float32(0))) * sm_scale * T.float32(
+                    LOG2E)
             state[2] = T.max(state[2], scores[j])
         # One rescale of the running output per block.
         m_new: T.let[T.float32] = T.max(state[0], state[2])
@@ -98,22 +122,36 @@ def _core(d: int, dtype: str, block: int):
             weights[j] = _exp2_poly(scores[j] - state[0])
         for j in T.serial(rows):
             state[1] = state[1] + weights[j]
+            if scaled:
+                weights[j] = weights[j] * value_words[j, w - 1]
             for i in T.vectorized(d):
                 acc[i] = acc[i] + weights[j] * T.Cast("float32", values[j, i])
 
     @T.macro
     def finish(acc: T.Buffer, state: T.Buffer, output: T.Buffer, lse: T.Buffer, row: T.int32, h: T.int32):
+        # output: [rows, heads, q_stride] view; lse: [rows, heads * q_split] (each word row
+        # of a head carries the head's lse, so the cache's merges treat them alike).
         inv: T.let[T.float32] = T.if_then_else(state[1] > T.float32(0), T.float32(1) / state[1], T.float32(0))
         for i in T.vectorized(d):
-            output[row, h, i] = T.Cast(dtype, acc[i] * inv)
-        lse[row, h] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]), T.float32(NEG))
+            output[row, h, i] = acc[i] * inv
+        for s in T.serial(qs):
+            lse[row, h * qs + s] = T.if_then_else(state[1] > T.float32(0), state[0] + T.log2(state[1]), T.float32(NEG))
 
     return lanes, start, attend, finish
 
 
-def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+def _check(layout: KVLayout, dtype: str) -> None:
+    if dtype != "float32":
+        raise ValueError(f"Kiln's CPU attention kernels take float32 activations, got {dtype}")
+
+
+def decode_paged(layout: KVLayout, page_size: int = 16, dtype: str = "float32"):
+    _check(layout, dtype)
+    h_kv, h_q, d, w, qs = layout.num_kv_heads, layout.num_heads, layout.head_dim, layout.words, layout.q_stride
+    hq_c = layout.cache_q_heads
     group = h_q // h_kv
-    lanes, start, attend, finish = _core(d, dtype, page_size)
+    store, elems, _ = _views(layout)
+    lanes, start, attend, finish = _core(layout, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
@@ -131,8 +169,8 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        Q_words = T.match_buffer(Q_handle, (B, hq_c, w), "float32")
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, w), "float32")
         page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32",
                                            elem_offset=page_indptr_elem_offset)
         page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32",
@@ -141,9 +179,11 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
-        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        output_words = T.match_buffer(output_handle, (B, hq_c, w), "float32")
+        lse = T.match_buffer(lse_handle, (B, hq_c), "float32")
         last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+        Q = T.decl_buffer((B, h_q, qs), "float32", data=Q_words.data)
+        output = T.decl_buffer((B, h_q, qs), "float32", data=output_words.data)
 
         for bh in T.parallel(B * h_q):
             with T.sblock("attn"):
@@ -161,20 +201,26 @@ def decode_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                 start(acc, state)
                 for p in T.serial(num_pages):
                     page: T.let[T.int32] = page_table_values[first + p]
-                    keys = T.decl_buffer((page_size, d), dtype, data=pages.data,
-                                         elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
-                    values = T.decl_buffer((page_size, d), dtype, data=pages.data,
-                                           elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
-                    attend(acc, lane, scores, weights, state, Q, b, h, keys, values,
+                    k_row: T.let[T.int32] = ((page * 2) * h_kv + h // group) * page_size
+                    v_row: T.let[T.int32] = ((page * 2 + 1) * h_kv + h // group) * page_size
+                    keys = T.decl_buffer((page_size, elems), store, data=pages.data, elem_offset=k_row * elems)
+                    values = T.decl_buffer((page_size, elems), store, data=pages.data, elem_offset=v_row * elems)
+                    key_words = T.decl_buffer((page_size, w), "float32", data=pages.data, elem_offset=k_row * w)
+                    value_words = T.decl_buffer((page_size, w), "float32", data=pages.data, elem_offset=v_row * w)
+                    attend(acc, lane, scores, weights, state, Q, b, h, keys, values, key_words, value_words,
                            T.if_then_else(p == num_pages - 1, last_page_len[b], page_size), sm_scale)
                 finish(acc, state, output, lse, b, h)
 
     return batch_decode_paged_kv
 
 
-def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
+def prefill_paged(layout: KVLayout, page_size: int = 16, dtype: str = "float32"):
+    _check(layout, dtype)
+    h_kv, h_q, d, w, qs = layout.num_kv_heads, layout.num_heads, layout.head_dim, layout.words, layout.q_stride
+    hq_c = layout.cache_q_heads
     group = h_q // h_kv
-    lanes, start, attend, finish = _core(d, dtype, page_size)
+    store, elems, _ = _views(layout)
+    lanes, start, attend, finish = _core(layout, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
@@ -194,18 +240,20 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
         k_rope_pos_offset_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         length_info_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_words = T.match_buffer(var_q, (total_len, hq_c, w), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, w), "float32")
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        output_words = T.match_buffer(var_output, (total_len, hq_c, w), "float32")
+        lse = T.match_buffer(var_lse, (total_len, hq_c), "float32")
         last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
+        q = T.decl_buffer((total_len, h_q, qs), "float32", data=q_words.data)
+        output = T.decl_buffer((total_len, h_q, qs), "float32", data=output_words.data)
 
         for b in T.serial(batch_size):
             for th in T.parallel((q_indptr[b + 1] - q_indptr[b]) * h_q):
@@ -229,31 +277,34 @@ def prefill_paged(h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16):
                     start(acc, state)
                     for p in T.serial((visible + page_size - 1) // page_size):
                         page: T.let[T.int32] = page_values[first + p]
-                        keys = T.decl_buffer((page_size, d), dtype, data=pages.data,
-                                             elem_offset=((page * 2) * h_kv + h // group) * page_size * d)
-                        values = T.decl_buffer((page_size, d), dtype, data=pages.data,
-                                               elem_offset=((page * 2 + 1) * h_kv + h // group) * page_size * d)
-                        attend(acc, lane, scores, weights, state, q, token, h, keys, values,
+                        k_row: T.let[T.int32] = ((page * 2) * h_kv + h // group) * page_size
+                        v_row: T.let[T.int32] = ((page * 2 + 1) * h_kv + h // group) * page_size
+                        keys = T.decl_buffer((page_size, elems), store, data=pages.data, elem_offset=k_row * elems)
+                        values = T.decl_buffer((page_size, elems), store, data=pages.data, elem_offset=v_row * elems)
+                        key_words = T.decl_buffer((page_size, w), "float32", data=pages.data, elem_offset=k_row * w)
+                        value_words = T.decl_buffer((page_size, w), "float32", data=pages.data,
+                                                    elem_offset=v_row * w)
+                        attend(acc, lane, scores, weights, state, q, token, h, keys, values, key_words, value_words,
                                T.min(visible - p * page_size, page_size), sm_scale)
                     finish(acc, state, output, lse, token, h)
 
     return batch_prefill_paged_kv_cpu
 
 
-
-
-def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
-    """Attention of each new token to its sequence's new tokens (ragged K / V), in tasks of
+def prefill_ragged(layout: KVLayout, dtype: str = "float32"):
+    """Attention of each new token to its sequence's new tokens (ragged K / V, in the
+    stored form: the graph packs them before the cache appends them), in tasks of
     QT queries of one head: the tile's queries are
     copied transposed ([d, QT], pre-scaled) once, then each key's scores against all QT
     queries are one vector (d FMAs with the key's elements broadcast), so the softmax
     state, the block max and the weights are vectors over queries and nothing is summed
     across lanes; each query's output row then takes its weights, broadcast, times the
     value rows. Keys past a query's causal limit (or the sequence) score NEG."""
-    if d_qk != d_v:
-        raise ValueError("Kiln's ragged CPU kernel needs equal q/k and v head dims")
-    d = d_qk
+    _check(layout, dtype)
+    h_kv, h_q, d, w, qs = layout.num_kv_heads, layout.num_heads, layout.head_dim, layout.words, layout.q_stride
+    hq_c, q_split = layout.cache_q_heads, layout.q_split
     group = h_q // h_kv
+    store, elems, scaled = _views(layout)
     scale = T.float32(LOG2E)
 
     @T.prim_func(s_tir=True)
@@ -270,17 +321,21 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
         kv_indptr_elem_offset = T.int32()
         q_rope_position_elem_offset = T.int32()
         k_rope_pos_offset_elem_offset = T.int32()
-        q = T.match_buffer(var_q, (qo_len_total, h_q, d), dtype)
+        q_words = T.match_buffer(var_q, (qo_len_total, hq_c, w), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        k = T.match_buffer(var_k, (kv_len_total, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (kv_len_total, h_kv, d), dtype)
+        k_words = T.match_buffer(var_k, (kv_len_total, h_kv, w), "float32")
+        v_words = T.match_buffer(var_v, (kv_len_total, h_kv, w), "float32")
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len_total,), "int32",
                                          elem_offset=q_rope_position_elem_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32",
                                            elem_offset=k_rope_pos_offset_elem_offset)
-        output = T.match_buffer(var_output, (qo_len_total, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (qo_len_total, h_q), "float32")
+        output_words = T.match_buffer(var_output, (qo_len_total, hq_c, w), "float32")
+        lse = T.match_buffer(var_lse, (qo_len_total, hq_c), "float32")
+        q = T.decl_buffer((qo_len_total, h_q, qs), "float32", data=q_words.data)
+        k = T.decl_buffer((kv_len_total, h_kv, elems), store, data=k_words.data)
+        v = T.decl_buffer((kv_len_total, h_kv, elems), store, data=v_words.data)
+        output = T.decl_buffer((qo_len_total, h_q, qs), "float32", data=output_words.data)
 
         for b in T.serial(batch_size):
             # Tasks head-major: a core's contiguous share of them holds whole heads, so the
@@ -311,7 +366,7 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                         m[r] = T.float32(NEG)
                         total[r] = T.float32(0)
                     for c, r in T.grid(d, QT):  # rows past the sequence repeat its last query
-                        qt[c, r] = T.Cast("float32", q[q_indptr[b] + row0 + T.min(r, rows - 1), h, c]) * sm_scale * scale
+                        qt[c, r] = q[q_indptr[b] + row0 + T.min(r, rows - 1), h, c] * sm_scale * scale
                     for r in T.serial(QT):
                         for c in T.vectorized(d):
                             acc[r, c] = T.float32(0)
@@ -330,6 +385,11 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                                         dots[j, r] = dots[j, r] + T.Cast("float32", k[
                                             kv_first + T.min(blk * BLOCK + half * HALF + j, kv_len - 1), h // group, c]) * qt[c, r]
                             for j in T.unroll(HALF):
+                                if scaled:
+                                    # int8 keys: the key's scale, once per score.
+                                    for r in T.vectorized(QT):
+                                        dots[j, r] = dots[j, r] * k_words[
+                                            kv_first + T.min(blk * BLOCK + half * HALF + j, kv_len - 1), h // group, w - 1]
                                 for r in T.vectorized(QT):
                                     st[half * HALF + j, r] = T.if_then_else(
                                         blk * BLOCK + half * HALF + j < limit[r], dots[j, r], T.float32(NEG))
@@ -346,6 +406,13 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                             for r in T.vectorized(QT):
                                 st[j, r] = _exp2_poly(st[j, r] - m[r])
                                 total[r] = total[r] + st[j, r]
+                        if scaled:
+                            # int8 values: each weight takes its value row's scale (after the
+                            # sums above, which the softmax needs unscaled).
+                            for j in T.serial(BLOCK):
+                                for r in T.vectorized(QT):
+                                    st[j, r] = st[j, r] * v_words[
+                                        kv_first + T.min(blk * BLOCK + j, kv_len - 1), h // group, w - 1]
                         for r in T.serial(rows):
                             for c in T.vectorized(d):  # the row in a stack buffer (see dots)
                                 row[c] = acc[r, c] * alpha[r]
@@ -360,7 +427,43 @@ def prefill_ragged(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str):
                         inv: T.let[T.float32] = T.if_then_else(total[r] > T.float32(0), T.float32(1) / total[r],
                                                                T.float32(0))
                         for c in T.vectorized(d):
-                            output[token, h, c] = T.Cast(dtype, acc[r, c] * inv)
-                        lse[token, h] = T.if_then_else(total[r] > T.float32(0), m[r] + T.log2(total[r]), T.float32(NEG))
+                            output[token, h, c] = acc[r, c] * inv
+                        for s in T.serial(q_split):
+                            lse[token, h * q_split + s] = T.if_then_else(total[r] > T.float32(0),
+                                                                         m[r] + T.log2(total[r]), T.float32(NEG))
 
     return batch_prefill_ragged_kv
+
+
+def split_qkv(layout: KVLayout):
+    """The cache's ``tir_split_rotary`` slot: qkv [T, Hq' + 2 Hkv, words] -> q, k, v, as
+    32-bit integer copies (the words may hold float16 / int8 payloads and scales, which a
+    float copy need not preserve bit for bit). Kiln's graphs rotate q and k themselves, so
+    ``apply_rope`` is always 0 here."""
+    w, hq_c, h_kv = layout.words, layout.cache_q_heads, layout.num_kv_heads
+    fused = hq_c + 2 * h_kv
+
+    @T.prim_func(s_tir=True)
+    def split_qkv_words(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                        var_v: T.handle, apply_rope: T.int64):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "global_symbol": "kiln_split_qkv_words"})
+        seq_len = T.int32()
+        position_map_elem_offset = T.int32()
+        qkv_f = T.match_buffer(var_qkv, (seq_len, fused, w), "float32")
+        q_f = T.match_buffer(var_q, (seq_len, hq_c, w), "float32")
+        k_f = T.match_buffer(var_k, (seq_len, h_kv, w), "float32")
+        v_f = T.match_buffer(var_v, (seq_len, h_kv, w), "float32")
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        qkv = T.decl_buffer((seq_len, fused * w), "int32", data=qkv_f.data)
+        q = T.decl_buffer((seq_len, hq_c * w), "int32", data=q_f.data)
+        k = T.decl_buffer((seq_len, h_kv * w), "int32", data=k_f.data)
+        v = T.decl_buffer((seq_len, h_kv * w), "int32", data=v_f.data)
+        for s in T.serial(seq_len):
+            for i in T.vectorized(hq_c * w):
+                q[s, i] = qkv[s, i]
+            for i in T.vectorized(h_kv * w):
+                k[s, i] = qkv[s, hq_c * w + i]
+            for i in T.vectorized(h_kv * w):
+                v[s, i] = qkv[s, (hq_c + h_kv) * w + i]
+
+    return split_qkv_words
