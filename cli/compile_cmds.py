@@ -10,7 +10,7 @@ from .main import cli, handle_errors
 
 # The scheme registry is plain Python (no torch): safe to import for the CLI's choices.
 from kiln.runtime.kv_layout import KV_DTYPES  # noqa: E402
-from kiln.runtime.quantization import SCHEMES, parse_quant  # noqa: E402
+from kiln.runtime.quantization import ACTIVATIONS, CHOICES, parse_quant  # noqa: E402
 
 TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm_89|sm_90"
 
@@ -24,9 +24,13 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
               help="longest sequence served (prompt + output) [default: the model's, capped at 8192]")
 @click.option("--dump-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="write each compiler phase's ONNX graphs here")
-@click.option("--quant", type=click.Choice(list(SCHEMES)), default="fp32", show_default=True,
+@click.option("--quant", type=click.Choice(list(CHOICES)), default="fp32", show_default=True,
               help="weight storage: int8 per block of 32, int4 (asymmetric) per block of 32/64/128 "
-                   "with int8 embedding / LM head, or fp16")
+                   "with int8 embedding / LM head, or fp16; w8a8: int8 weights and int8 activations")
+@click.option("--act", "activations", type=click.Choice(list(ACTIVATIONS)), default=None,
+              help="activations into int8-weight matmuls: int8 (per row and block of 16, integer dot "
+                   "products; CPUs with AVX-512 VNNI) or float32 (weight-only) [default: int8 for int8 weights "
+                   "where the target has VNNI, else float32]")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
               help="also quantize the token embedding table")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
@@ -38,15 +42,18 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
 @click.option("--tuned/--untuned", default=True, show_default=True,
               help="apply the target's MetaSchedule database under schedules/ when there is one")
 @handle_errors
-def compile_command(model, target, out, context_length, dump_dir, quant, quant_embedding, quant_lm_head, kv_dtype,
-                    tuned):
+def compile_command(model, target, out, context_length, dump_dir, quant, activations, quant_embedding, quant_lm_head,
+                    kv_dtype, tuned):
     """Compile MODEL (an HF folder, a .gguf file, or 'default') into an artifact."""
     from kiln.compiler.compile import CompileOptions, compile_model, default_out_dir
     from kiln.compiler.targets import parse_target
 
+    from kiln.compiler.compile import default_activations
+
     spec = parse_target(target)
+    activations = activations or default_activations(quant, spec)
     options = CompileOptions(target=spec, context_length=context_length, dump_dir=dump_dir,
-                             quant=parse_quant(quant, quant_embedding, quant_lm_head), tuned=tuned,
+                             quant=parse_quant(quant, quant_embedding, quant_lm_head, activations), tuned=tuned,
                              kv_dtype=kv_dtype)
     out = out or default_out_dir(model, spec, options.quant, kv_dtype)
     path = compile_model(model, out, options, log=lambda m: click.echo(m, err=True))
@@ -57,7 +64,7 @@ def compile_command(model, target, out, context_length, dump_dir, quant, quant_e
 @click.argument("model")
 @click.option("--target", "target", default="llvm", show_default=True, help=TARGET_HELP)
 @click.option("--trials", type=int, default=64, show_default=True, help="MetaSchedule candidates measured per kernel")
-@click.option("--quant", "quants", type=click.Choice(list(SCHEMES)), multiple=True,
+@click.option("--quant", "quants", type=click.Choice(list(CHOICES)), multiple=True,
               help="tune the kernels of these weight schemes (repeatable) [default: fp32]")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="database folder [default: schedules/<target key>/]")

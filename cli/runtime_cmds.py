@@ -36,7 +36,7 @@ def inspect_command(artifact, as_json):
                   f"head_dim {c.head_dim}, ffn {c.intermediate_size}, vocab {c.vocab_size}"),
         ("context", f"{c.context_length} tokens"),
         ("target", target),
-        ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {m.activation_dtype}"),
+        ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {_activations(m.activation_dtype)}"),
         ("kv cache", _kv_cache_row(m)),
         ("functions", ", ".join(m.functions)),
         ("dispatch", _dispatch_row(m.dispatch)),
@@ -167,6 +167,12 @@ def _kv_cache_row(manifest) -> str:
     per_token = kv_bytes_per_token(model, manifest.kv_cache)
     return (f"{kv_dtype(manifest.kv_cache)}, {per_token:,} B/token, {manifest.kv_cache.get('page_size', '?')}-token "
             f"pages; {sequences_per_gib(per_token, model.context_length):,.1f} full-context sequences per GiB")
+
+
+def _activations(dtype: str) -> str:
+    if dtype == "int8":
+        return "int8 (per row and block of 16; AVX-512 VNNI integer dot products)"
+    return dtype
 
 
 def _dispatch_row(dispatch) -> str:

@@ -51,6 +51,24 @@ class TargetSpec:
         return tvm.target.Target({"kind": "cuda", "arch": self.arch},
                                  host={"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})
 
+    def describe(self) -> str:
+        if self.kind == "llvm":
+            return f"llvm:{self.mcpu}" if self.mcpu else "llvm (this host's CPU)"
+        return f"{self.kind}:{self.arch}"
+
+    @property
+    def int8_dot(self) -> bool:
+        """The target's CPU has AVX-512 VNNI (``vpdpbusd``): Kiln's int8 dot-product kernels
+        (``lower/kernels/cpu_int8_matmul.py``) build for it."""
+        if self.kind != "llvm":
+            return False
+        from tvm.target import codegen
+
+        target = self.tvm_target()
+        with target:
+            features = set(codegen.llvm_get_cpu_features(target))
+        return {"avx512vnni", "avx512bw", "avx512f"} <= features
+
     def info(self) -> TargetInfo:
         """What the manifest records (resolved: the concrete CPU name and its features)."""
         from tvm.target import codegen

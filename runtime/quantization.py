@@ -72,6 +72,9 @@ class QuantConfig:
     scheme: QuantScheme
     embedding: bool = True
     lm_head: bool = True
+    # "int8": the inputs of int8-weight matmuls are quantized per row and block of 32
+    # (symmetric) and multiplied with integer dot products (W8A8; CPUs with AVX-512 VNNI).
+    activations: str = "float32"
 
     def __post_init__(self):
         if not isinstance(self.scheme, QuantScheme):
@@ -81,23 +84,43 @@ class QuantConfig:
         for flag in ("embedding", "lm_head"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"QuantConfig.{flag} must be a bool")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"QuantConfig.activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.activations == "int8" and self.scheme.kind != "int8":
+            raise ValueError(f"int8 activations need int8 weights (--quant int8 / w8a8); {self.scheme.name} "
+                             "keeps float32 activations")
 
     @property
     def is_float(self) -> bool:
         return self.scheme.kind == "float"
 
+    @property
+    def name(self) -> str:
+        """The CLI name: the scheme's, or its W?A8 alias with int8 activations."""
+        return next((a for a, (s, act) in ALIASES.items() if s == self.scheme.name and act == self.activations),
+                    self.scheme.name)
+
     def describe(self) -> dict:
         """The manifest's record of the scheme (JSON-serializable)."""
         return {"scheme": self.scheme.name, "kind": self.scheme.kind, "group_size": self.scheme.group_size,
-                "tables": self.scheme.table.name, "embedding": self.embedding, "lm_head": self.lm_head}
+                "tables": self.scheme.table.name, "embedding": self.embedding, "lm_head": self.lm_head,
+                "activations": self.activations}
 
 
-def parse_quant(name: str, embedding: bool = True, lm_head: bool = True) -> QuantConfig:
-    """A CLI choice (``--quant int4-g32``) -> its QuantConfig."""
-    scheme = SCHEMES.get(name)
+ACTIVATIONS = ("float32", "int8")
+# CLI names for a scheme with int8 activations: (scheme, activations).
+ALIASES = {"w8a8": ("int8", "int8")}
+CHOICES = (*SCHEMES, *ALIASES)
+
+
+def parse_quant(name: str, embedding: bool = True, lm_head: bool = True, activations: str | None = None) -> QuantConfig:
+    """A CLI choice (``--quant int4-g32``, ``--quant w8a8``) -> its QuantConfig.
+    ``activations`` overrides the alias's (``--quant w8a8 --act float32`` is int8)."""
+    scheme_name, default_act = ALIASES.get(name, (name, "float32"))
+    scheme = SCHEMES.get(scheme_name)
     if scheme is None:
-        raise ValueError(f"unknown quantization {name!r}; choose one of: {', '.join(SCHEMES)}")
-    return QuantConfig(scheme, embedding=embedding, lm_head=lm_head)
+        raise ValueError(f"unknown quantization {name!r}; choose one of: {', '.join(CHOICES)}")
+    return QuantConfig(scheme, embedding=embedding, lm_head=lm_head, activations=activations or default_act)
 
 
 def quant_from_record(record: dict | None) -> QuantConfig:
@@ -105,4 +128,4 @@ def quant_from_record(record: dict | None) -> QuantConfig:
     if not record:
         return parse_quant("fp32")
     return parse_quant(record["scheme"], embedding=bool(record.get("embedding", True)),
-                       lm_head=bool(record.get("lm_head", True)))
+                       lm_head=bool(record.get("lm_head", True)), activations=record.get("activations", "float32"))

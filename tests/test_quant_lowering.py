@@ -194,17 +194,21 @@ def _quantized_onnx(checkpoint_dir, quant):
     """The exported prefill graph after the quantize pass (what onnxruntime runs)."""
     from kiln.compiler.export.onnx_export import export_graphs
     from kiln.compiler.models.source import resolve_model
+    from kiln.compiler.passes.quantize_activations import quantize_activations
     from kiln.compiler.passes.quantize_weights import quantize_weights
 
     graphs = export_graphs(resolve_model(checkpoint_dir).build_module())
-    return quantize_weights(quant)(graphs.prefill)
+    graph = quantize_weights(quant)(graphs.prefill)
+    return quantize_activations(graph) if quant.activations == "int8" else graph
 
 
 @pytest.mark.parametrize("variant,scheme", [("llama", "int8"), ("llama", "int4-g32"), ("qwen2", "int4-g128"),
-                                            ("qwen2", "fp16")])
+                                            ("qwen2", "fp16"),
+                                            pytest.param("qwen2", "w8a8", marks=pytest.mark.skipif(
+                                                not parse_target("llvm").int8_dot, reason="no AVX-512 VNNI"))])
 def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path, checkpoint, variant, scheme):
-    """The compiled int8 / int4 / fp16 artifact computes what onnxruntime computes on the
-    same quantized ONNX; its params keep their storage dtypes (never a float copy)."""
+    """The compiled int8 / int4 / fp16 / w8a8 artifact computes what onnxruntime computes on
+    the same quantized ONNX; its params keep their storage dtypes (never a float copy)."""
     import onnx_ir as ir
     import onnxruntime as ort
 
@@ -214,19 +218,29 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     from kiln.runtime.executor import CacheConfig, Chunk
 
     quant = parse_quant(scheme)
-    folder = compile_model(checkpoint(variant), tmp_path / "artifact", CompileOptions(parse_target("llvm"), quant=quant))
+    # A float32 KV cache, as onnxruntime's: float16 KV rounds keys and values by ~1e-3, which
+    # int8 activations turn into whole-level flips.
+    folder = compile_model(checkpoint(variant), tmp_path / "artifact",
+                           CompileOptions(parse_target("llvm"), quant=quant, kv_dtype="float32"))
     engine = Engine.load(folder, background=False)
     m = engine.manifest
-    assert m.quantization == scheme and m.extra["quantization"]["scheme"] == scheme
+    assert m.quantization == quant.scheme.name and m.extra["quantization"]["scheme"] == quant.scheme.name
+    assert m.activation_dtype == quant.activations
     stored = {p.name: p for p in m.params}
     kind = quant.scheme.kind
     quantized = [p for p in m.params if p.name.endswith(".qweight" if kind != "fp16" else ".fp16")]
     # Every projection (7 per layer), the embedding and (untied) the LM head.
     assert len(quantized) >= 7 * m.model.num_layers + 1
-    dtypes = {"int8": "int8", "int4": "uint8", "fp16": "float16"}
+    # int8 weights multiplied by int8 activations are stored q + 128 for the VNNI kernels.
+    dtypes = {"int8": "uint8" if quant.activations == "int8" else "int8", "int4": "uint8", "fp16": "float16"}
     for p in quantized:
         # The embedding table and the LM head take the scheme's table kind (int8 for int4).
         table = "embed_tokens" in p.name or "lm_head" in p.name
+        if table and quant.activations == "int8":
+            # An untied embedding is only gathered from (rows, int8); a table the LM head reads
+            # takes the dot-product layout.
+            assert p.dtype in ("int8", "uint8"), p.name
+            continue
         assert p.dtype == dtypes[quant.scheme.table.kind if table else kind], p.name
     assert sum(p.dtype == dtypes[kind] for p in quantized) >= 7 * m.model.num_layers
     assert not any(n.endswith("_proj.weight") for n in stored), "a float copy of a quantized weight was stored"
@@ -234,25 +248,48 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     loaded = {p.name: str(a.dtype) for p, a in zip(m.params, engine._executor._params)}
     assert all(loaded[p.name] == p.dtype for p in quantized)
 
-    graph = _quantized_onnx(checkpoint(variant), quant)
-    path = tmp_path / "prefill.onnx"
-    ir.save(graph, path)
     # Graph optimizations off: onnxruntime would otherwise rewrite DequantizeLinear ->
     # MatMul into integer matmuls that also quantize the activations (a different model).
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def session(q):
+        path = tmp_path / f"prefill-{q.name}-{q.activations}.onnx"
+        ir.save(_quantized_onnx(checkpoint(variant), q), path)
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    sess = session(quant)
+    # With int8 activations, an input within float noise (~1e-7: Kiln's and onnxruntime's
+    # float kernels differ by that) of a rounding boundary lands one level apart, and on
+    # this 64-wide random model one such flip can move a sequence's logits by half of
+    # what quantizing the activations at all does. So most sequences must match to 1e-3
+    # (a missing, mis-scaled or mis-laid-out quantization breaks every one), and none may
+    # be off by more than twice that whole effect (weight-only graph vs this one).
+    weight_only = session(parse_quant(quant.scheme.name)) if quant.activations == "int8" else None
+    float_close = []
+
+    def run(tokens):
+        feeds = {"input_ids": tokens[None], "position_ids": np.arange(tokens.shape[-1], dtype=np.int64)[None]}
+        return [s.run(["logits"], feeds)[0].reshape(-1, m.model.vocab_size)[-1] for s in (sess, weight_only) if s]
+
+    def check(got, expected):
+        error, tolerance = np.abs(got - expected[0]), 1e-3 + 1e-3 * np.abs(expected[0])
+        if weight_only is None:
+            assert (error <= tolerance).all(), error.max()
+            return
+        effect = np.abs(expected[1] - expected[0]).max()
+        assert effect > 1e-3  # the oracle quantizes the activations
+        assert error.max() <= 2 * effect, (error.max(), effect)
+        float_close.append(bool((error <= tolerance).all()))
+
     rng = np.random.default_rng()
-    ids = rng.integers(0, m.model.vocab_size, (1, 11), dtype=np.int64)
-    pos = np.arange(11, dtype=np.int64)[None]
-    expected = sess.run(["logits"], {"input_ids": ids, "position_ids": pos})[0]
+    ids = rng.integers(0, m.model.vocab_size, (11,), dtype=np.int64)
 
     ex = engine._executor
     cache = ex.create_cache(CacheConfig(max_batch_size=1, max_total_tokens=64, prefill_chunk_size=32,
                                         page_size=ex.page_size))
     cache.add(0)
-    got = ex.forward(cache, [Chunk(0, tuple(ids[0].tolist()), 0)])
-    np.testing.assert_allclose(got, expected.reshape(-1, m.model.vocab_size)[-1:], rtol=1e-3, atol=1e-3)
+    check(ex.forward(cache, [Chunk(0, tuple(ids.tolist()), 0)])[0], run(ids))
 
     # Decode steps: a batch wider than the manifest's decode_max_batch runs through prefill
     # (weight tiles dequantized once for all rows), a single sequence through the static
@@ -263,11 +300,6 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     batch, length = limit + 1, 9
     prompts = rng.integers(0, m.model.vocab_size, (batch, length + 3), dtype=np.int64)
 
-    def onnxruntime_last(tokens):
-        n = tokens.shape[-1]
-        out = sess.run(["logits"], {"input_ids": tokens[None], "position_ids": np.arange(n, dtype=np.int64)[None]})
-        return out[0].reshape(-1, m.model.vocab_size)[-1]
-
     cache = ex.create_cache(CacheConfig(max_batch_size=batch, max_total_tokens=64 * batch, prefill_chunk_size=32,
                                         page_size=ex.page_size))
     for s in range(batch):
@@ -276,15 +308,14 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     wide = [Chunk(s, (int(prompts[s, length]),), length) for s in range(batch)]
     assert ex.route(wide) == "prefill"
     got = ex.forward(cache, wide)
-    expected = np.stack([onnxruntime_last(prompts[s, :length + 1]) for s in range(batch)])
-    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3)
+    for s in range(batch):
+        check(got[s], run(prompts[s, :length + 1]))
     alone = [Chunk(0, (int(prompts[0, length + 1]),), length + 1)]
     assert ex.route(alone) == "decode_b1"
-    np.testing.assert_allclose(ex.forward(cache, alone)[0], onnxruntime_last(prompts[0, :length + 2]),
-                               rtol=1e-3, atol=1e-3)
+    check(ex.forward(cache, alone)[0], run(prompts[0, :length + 2]))
     alone = [Chunk(0, (int(prompts[0, length + 2]),), length + 2)]
-    np.testing.assert_allclose(ex.forward(cache, alone, via="decode")[0], onnxruntime_last(prompts[0]),
-                               rtol=1e-3, atol=1e-3)
+    check(ex.forward(cache, alone, via="decode")[0], run(prompts[0]))
+    assert weight_only is None or np.mean(float_close) >= 0.75, float_close
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32"])

@@ -7,7 +7,11 @@ int4-g32 within 6% and >= 90%. Measured (perplexity change / agreement over 525 
 int8 -0.01% / 97.7%, int4-g32 +0.00% / 100%, int4-g128 (no target) +61% / 66.7%. The
 model's float32 weights are a dequantized GGUF (Q4_1 projections, Q8_0 token table),
 which Kiln's asymmetric int4 blocks and int8 tables reproduce; the earlier symmetric int4
-scheme measured +36% / 62% and per-channel int8 +0.55% / 96.0%. The test gates on GATES,
+scheme measured +36% / 62% and per-channel int8 +0.55% / 96.0%. w8a8 (int8 activations per
+block of 16, the LM head's in two levels) measured +0.14% / 97.7% here (float16 KV, as compiled
+by default); with float32 KV and 512-token chunks -0.11% / 96.6%, and +0.38% / 97.1% over the
+2,047 tokens of long_quality_text.txt. Which near-ties flip is that sensitive; with activation
+blocks of 32 the agreement was 96.4-96.5%. The test gates on GATES,
 a little below what is measured, so a regression fails, and warns when a target is missed. int4-g128 re-quantizes 32-wide 4-bit blocks into 128-wide ones: on a 135M
 model that loses a third of the top-1 tokens, which is why g32 is the int4 to use here."""
 
@@ -23,8 +27,9 @@ from kiln.runtime.quality import perplexity, teacher_forced_logits, top1_agreeme
 
 TEXT = (Path(__file__).parent / "data" / "quality_text.txt").read_text()
 
-TARGETS = {"int8": (0.01, 0.97), "int4-g32": (0.06, 0.90)}  # (max perplexity increase, min agreement)
-GATES = {"int8": (0.005, 0.965), "int4-g32": (0.01, 0.98), "int4-g128": (0.70, 0.63)}
+# (max perplexity increase, min agreement); w8a8: int8 weights and int8 activations (issue 14).
+TARGETS = {"int8": (0.01, 0.97), "int4-g32": (0.06, 0.90), "w8a8": (0.01, 0.97)}
+GATES = {"int8": (0.005, 0.965), "int4-g32": (0.01, 0.98), "int4-g128": (0.70, 0.63), "w8a8": (0.005, 0.96)}
 
 
 @pytest.fixture(scope="module")

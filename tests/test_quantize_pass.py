@@ -21,7 +21,7 @@ from kiln.compiler.passes.quantize_weights import (
     quantize_uint4_blocks,
     quantize_weights,
 )
-from kiln.runtime.quantization import SCHEMES, QuantConfig, QuantScheme, parse_quant
+from kiln.runtime.quantization import SCHEMES, QuantConfig, QuantScheme, parse_quant, quant_from_record
 
 QUANTIZED = [name for name, s in SCHEMES.items() if s.kind != "float"]
 F32_EPS = np.finfo(np.float32).eps
@@ -100,8 +100,11 @@ def test_scheme_registry_and_parse():
     config = parse_quant("int4-g64", lm_head=False)
     assert config == QuantConfig(SCHEMES["int4-g64"], embedding=True, lm_head=False)
     assert config.describe() == {"scheme": "int4-g64", "kind": "int4", "group_size": 64, "tables": "int8",
-                                 "embedding": True, "lm_head": False}
-    with pytest.raises(ValueError, match="fp32, fp16, int8, int4-g32, int4-g64, int4-g128"):
+                                 "embedding": True, "lm_head": False, "activations": "float32"}
+    w8a8 = parse_quant("w8a8")
+    assert (w8a8.scheme, w8a8.activations, w8a8.name) == (SCHEMES["int8"], "int8", "w8a8")
+    assert quant_from_record(w8a8.describe()) == w8a8
+    with pytest.raises(ValueError, match="fp32, fp16, int8, int4-g32, int4-g64, int4-g128, w8a8"):
         parse_quant("int3")
     with pytest.raises(ValueError):
         QuantConfig(QuantScheme("int4-g16", "int4", 16))

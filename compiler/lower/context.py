@@ -43,6 +43,10 @@ class ConvertContext:
     # Matmuls over a dynamic row count run in padded row tiles (CPU targets;
     # ``quant_weights.matmul_nt_te``).
     row_tiles: bool = False
+    # Data names of int8 weights stored for the dot-product kernels (``ParamTable.int8_dot``).
+    int8_dot: frozenset = frozenset()
+    # Activations quantized by a QuantizeActivations node, by its output name: [x, (xq, xs, xc) once emitted].
+    int8_activations: dict = field(default_factory=dict)
 
     def dim(self, name: str) -> tirx.Var | tirx.IntImm:
         if name not in self.dims:

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 
 from .context import ConvertContext, relax_dtype
-from .quant_weights import stored_arrays, stored_specs, weight_storages
+from .quant_weights import int8_dot_weights, stored_arrays, stored_specs, weight_storages
 from .converters import quantized
 from .registry import lookup
 
@@ -51,6 +51,8 @@ class ParamTable:
     # float32 projection weights stored as panels (``quant_weights.float_panel_storage``):
     # the CPU layout; GPU targets keep them [N, K].
     float_panels: bool = False
+    # int8 weights stored for the dot-product kernels (``quant_weights.int8_dot_weights``).
+    int8_dot: frozenset[str] = frozenset()
 
     def index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.specs)}
@@ -66,7 +68,8 @@ def collect_params(graphs: dict[str, ir.Model], float_panels: bool = False) -> P
     Quantized weights (and float32 panels) get the shape and dtype Kiln stores them in
     (``quant_weights``)."""
     stored = {}
-    for storage in weight_storages(graphs.items(), float_panels).values():
+    int8_dot = int8_dot_weights(graphs.items())
+    for storage in weight_storages(graphs.items(), float_panels, int8_dot).values():
         stored.update(stored_specs(storage))
     specs: dict[str, ParamSpec] = {}
     for gname, model in graphs.items():
@@ -79,7 +82,7 @@ def collect_params(graphs: dict[str, ir.Model], float_panels: bool = False) -> P
             if name in specs and specs[name] != spec:
                 raise ValueError(f"weight {name!r} differs between graphs ({specs[name]} vs {spec} in {gname})")
             specs.setdefault(name, spec)
-    return ParamTable(tuple(specs.values()), float_panels)
+    return ParamTable(tuple(specs.values()), float_panels, int8_dot)
 
 
 def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.ndarray]:
@@ -89,7 +92,7 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
         for name, value in model.graph.initializers.items():
             values.setdefault(name, value)
     arrays: dict[str, np.ndarray] = {}
-    for storage in weight_storages(graphs.items(), params.float_panels).values():
+    for storage in weight_storages(graphs.items(), params.float_panels, params.int8_dot).values():
         arrays.update(stored_arrays(storage, *(values[name].const_value.numpy() for name in storage.stored)))
     out = []
     for spec in params.specs:
@@ -130,6 +133,7 @@ def _many_tokens(graph: ir.Graph) -> bool:
 def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable,
                      static_dims: dict[str, int], panels: dict, row_tiles: bool, kv_dtype: str) -> None:
     ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph), row_tiles=row_tiles, kv_dtype=kv_dtype,
+                         int8_dot=params.int8_dot,
                          dims={name: tvm.tirx.IntImm("int64", size) for name, size in static_dims.items()})
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
               for v in graph.inputs]

@@ -29,6 +29,11 @@ short ones (a 576-wide int8 row is 9 cache lines, too short for the hardware pre
 a cold int8 GEMV measured 11 GB/s plain and 24-30 GB/s interleaved. Scales and minima stay
 [rows, nb]. Weights whose rows or row length do not divide are stored plain.
 
+int8 dot-product layout (``int8_dot``: an int8 weight whose MatMuls take int8 activations,
+on CPUs with VNNI): data uint8 [rows / 32, cols * 32] (q + 128, tiles of 32 rows by 4
+columns) and scale float16 [rows / 16, nb * 16], as ``kernels/cpu_int8_matmul.py``
+describes; other readers of the same weight (a tied embedding's Gather) dequantize from it.
+
 Float32 panels (CPU targets): a float32 projection weight W [N, K] (an initializer read
 only as MatMul(x, Transpose(W))) is stored as panels of PANEL output rows, K-major:
 ``[N / PANEL, K, PANEL]``, W[n, k] at ``[n // PANEL, k, n % PANEL]``. The CPU matmuls
@@ -42,11 +47,13 @@ read the stored ``[rows, cols]`` as an "NT" matmul and never materialize a float
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
 from tvm import te, tirx
+
+from .kernels import cpu_int8_matmul as int8_kernels
 
 INT4_GROUP = 32  # columns per nibble-layout group (see above)
 ROW_TILE = 4  # rows interleaved in storage (see above)
@@ -71,6 +78,7 @@ class WeightStorage:
     minimum: str | None = None
     # Which node's value it is, not how it is stored: two consumers of one weight differ here.
     output: str = field(default="", compare=False)
+    int8_dot: bool = False  # int8 stored for the dot-product kernels (above)
 
     @property
     def units(self) -> int:
@@ -197,6 +205,10 @@ def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str
     """(shape, dtype) of each stored array, by initializer name (``stored_arrays`` makes them)."""
     r, c = storage.rows, storage.cols
     t = storage.tile
+    if storage.int8_dot:
+        nb = c // storage.group_size
+        return {storage.data: ((r // int8_kernels.WEIGHT_TILE, c * int8_kernels.WEIGHT_TILE), "uint8"),
+                storage.scale: ((r // int8_kernels.LANES, nb * int8_kernels.LANES), "float16")}
     if storage.kind == "fp32":
         return {storage.data: ((r // t, c, t) if t > 1 else (r, c), "float32")}
     if storage.kind == "fp16":
@@ -240,10 +252,36 @@ def float_panel_storage(value: ir.Value) -> WeightStorage | None:
     return storage if uses and storage.tile > 1 else None
 
 
-def weight_storages(graphs, float_panels: bool = False) -> dict[str, WeightStorage]:
+def int8_dot_weights(graphs) -> frozenset[str]:
+    """Data names of the int8 weights (blocks of 32, whole kernel tiles) that a MatMul
+    multiplies by int8 activations (its A is a ``QuantizeActivations`` output,
+    ``passes/quantize_activations.py``): stored for the dot-product kernels."""
+    from ..passes.quantize_activations import FUNCTION_DOMAIN, FUNCTIONS
+
+    found = set()
+    for _, model in graphs:
+        for node in model.graph:
+            if node.op_type != "DequantizeLinear":
+                continue
+            storage = storage_of(node)
+            if (storage is None or storage.kind != "int8" or storage.group_size != int8_kernels.BLOCK
+                    or not int8_kernels.supports(storage.rows, storage.cols)):
+                continue
+            out = node.outputs[0]
+            readers = [(u, i) for t, _ in out.uses() if t.op_type == "Transpose" for u, i in t.outputs[0].uses()]
+            readers += list(out.uses())
+            for user, idx in readers:
+                a = user.inputs[0].producer() if user.op_type == "MatMul" and idx == 1 else None
+                if a is not None and a.domain == FUNCTION_DOMAIN and a.op_type in FUNCTIONS:
+                    found.add(storage.data)
+    return frozenset(found)
+
+
+def weight_storages(graphs, float_panels: bool = False, int8_dot: frozenset[str] = frozenset()) -> dict[str, WeightStorage]:
     """Every quantized weight of the graphs (and, with ``float_panels``, every float32
-    projection weight stored as panels), by data initializer name. The same weight must be
-    stored the same way wherever it is used."""
+    projection weight stored as panels), by data initializer name; those named in
+    ``int8_dot`` in the dot-product layout. The same weight must be stored the same way
+    wherever it is used."""
     found: dict[str, WeightStorage] = {}
     for _, model in graphs:
         if float_panels:
@@ -255,6 +293,8 @@ def weight_storages(graphs, float_panels: bool = False) -> dict[str, WeightStora
             storage = storage_of(node) if node.op_type in ("DequantizeLinear", "Cast") else None
             if storage is None:
                 continue
+            if storage.data in int8_dot:
+                storage = replace(storage, int8_dot=True)
             previous = found.setdefault(storage.data, storage)
             if previous != storage:
                 raise ValueError(f"weight {storage.data!r} is dequantized in two ways ({previous} vs {storage})")
@@ -270,6 +310,9 @@ def stored_arrays(storage: WeightStorage, data: np.ndarray, scale: np.ndarray | 
         scale = None if scale is None else scale.T
         minimum = None if minimum is None else minimum.reshape(minimum.shape[0], -1).T
     data = np.asarray(data)[:, :storage.cols]  # the chain's zero padding to whole blocks
+    if storage.int8_dot:
+        return {storage.data: int8_kernels.pack_weight(data.astype(np.int8)),
+                storage.scale: int8_kernels.pack_scales(scale)}
     if storage.kind == "fp32":
         return {storage.data: float_panels(data.astype(np.float32), storage.tile)}
     if storage.kind == "fp16":
@@ -333,6 +376,11 @@ def dequant_value(storage: WeightStorage, stored, r, c):
     tensors of ``storage.stored`` (data [, scale [, minimum]])."""
     data, *rest = stored
     t = storage.tile
+    if storage.int8_dot:
+        tile, lanes = int8_kernels.WEIGHT_TILE, int8_kernels.LANES
+        byte = data[r // tile, ((c // 4) * 2 + (r % tile) // lanes) * 64 + (r % lanes) * 4 + c % 4]
+        scale = rest[0][r // lanes, (c // storage.group_size) * lanes + r % lanes].astype("float32")
+        return (byte.astype("int32") - 128).astype("float32") * scale
     if storage.kind == "fp32":
         return data[r // t, c, r % t] if t > 1 else data[r, c]
 

@@ -8,6 +8,9 @@ Phases (in order):
   quantize-weights        (``--quant`` other than fp32) weights -> int8 / int4 / fp16 storage
                           with standard DequantizeLinear / Cast; still onnxruntime-runnable
                           (passes/quantize_weights.py)
+  quantize-activations    (int8 activations) the inputs of int8-weight MatMuls through a
+                          QuantizeActivations function of standard ops; still
+                          onnxruntime-runnable (passes/quantize_activations.py)
   paged-attention         each layer's Attention over past/present -> kiln::PagedAttention
                           on the runtime's paged KV cache (passes/paged_attention.py)
   select-logit-positions  prefill returns logits at given token positions, for ragged
@@ -24,6 +27,7 @@ import onnx_ir as ir
 from ..export.onnx_export import ExportedGraphs
 from kiln.runtime.quantization import QuantConfig
 from .paged_attention import rewrite_paged_attention
+from .quantize_activations import quantize_activations
 from .quantize_weights import quantize_weights
 from .select_logit_positions import select_logit_positions
 
@@ -36,6 +40,8 @@ def phases(quant: QuantConfig | None = None) -> list[Phase]:
     out: list[Phase] = []
     if quant is not None and not quant.is_float:
         out.append(("quantize-weights", quantize_weights(quant), ("prefill", "decode")))
+    if quant is not None and quant.activations == "int8":
+        out.append(("quantize-activations", quantize_activations, ("prefill", "decode")))
     out += [
         ("paged-attention", rewrite_paged_attention, ("prefill", "decode")),
         ("select-logit-positions", select_logit_positions, ("prefill",)),
