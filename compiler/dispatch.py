@@ -21,6 +21,9 @@ from .targets import TargetSpec
 # same padded row tiles (4 rows in decode, 8 in prefill): B=4 221 vs 200, B=16 333-372 vs
 # 248-273; ``decode`` keeps them all.
 _CPU_DECODE_MAX_BATCH = {"float": None, "fp16": 8, "int8": 16, "int4": 8}
+# With int8 activations both routes run the same dot-product kernels (nothing is
+# dequantized per row); decode skips the ragged bookkeeping: W4A8 B=16 606 vs 585 tok/s.
+_CPU_INT8_ACTIVATIONS_DECODE_MAX_BATCH = 16
 
 
 def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int) -> Dispatch:
@@ -28,4 +31,6 @@ def choose_dispatch(target: TargetSpec, quant: QuantConfig, context_length: int)
     if target.kind != "llvm":
         # dlight's GPU GEMV rules schedule small batches themselves; not measured on a GPU.
         return Dispatch(**static)
-    return Dispatch(decode_max_batch=_CPU_DECODE_MAX_BATCH[quant.scheme.kind], **static)
+    limit = (_CPU_INT8_ACTIVATIONS_DECODE_MAX_BATCH if quant.activations == "int8"
+             else _CPU_DECODE_MAX_BATCH[quant.scheme.kind])
+    return Dispatch(decode_max_batch=limit, **static)

@@ -72,8 +72,8 @@ class QuantConfig:
     scheme: QuantScheme
     embedding: bool = True
     lm_head: bool = True
-    # "int8": the inputs of int8-weight matmuls are quantized per row and block of 32
-    # (symmetric) and multiplied with integer dot products (W8A8; CPUs with AVX-512 VNNI).
+    # "int8": the inputs of int8 / int4-weight matmuls are quantized per row and block of 16
+    # (symmetric) and multiplied with integer dot products (W8A8 / W4A8; CPUs with AVX-512 VNNI).
     activations: str = "float32"
 
     def __post_init__(self):
@@ -86,8 +86,9 @@ class QuantConfig:
                 raise TypeError(f"QuantConfig.{flag} must be a bool")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"QuantConfig.activations must be one of {ACTIVATIONS}, got {self.activations!r}")
-        if self.activations == "int8" and self.scheme.kind != "int8":
-            raise ValueError(f"int8 activations need int8 weights (--quant int8 / w8a8); {self.scheme.name} "
+        if self.activations == "int8" and not (self.scheme.kind == "int8" or (
+                self.scheme.kind == "int4" and self.scheme.group_size % 16 == 0)):
+            raise ValueError(f"int8 activations need int8 or int4 weights (--quant w8a8 / w4a8); {self.scheme.name} "
                              "keeps float32 activations")
 
     @property
@@ -109,7 +110,7 @@ class QuantConfig:
 
 ACTIVATIONS = ("float32", "int8")
 # CLI names for a scheme with int8 activations: (scheme, activations).
-ALIASES = {"w8a8": ("int8", "int8")}
+ALIASES = {"w8a8": ("int8", "int8"), "w4a8": ("int4-g32", "int8")}
 CHOICES = (*SCHEMES, *ALIASES)
 
 

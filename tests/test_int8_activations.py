@@ -1,4 +1,4 @@
-"""int8 activations (W8A8): the activation quantizer and the VNNI dot-product matmul against
+"""int8 activations (W8A8, W4A8): the activation quantizer and the VNNI dot-product matmuls against
 numpy's integer arithmetic, the ONNX function against numpy in onnxruntime, the graph
 rewrite's structure, and the refusals. Whole artifacts are held to onnxruntime in
 test_quant_lowering.py, the default model's quality in test_quant_quality.py."""
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
+from kiln.compiler.lower.kernels import cpu_int4_matmul as K4
 from kiln.compiler.lower.kernels import cpu_int8_matmul as K
 from kiln.compiler.targets import parse_target
 
@@ -88,19 +89,49 @@ def test_int8_dot_matmul_matches_integer_arithmetic(levels, n, k):
         assert err < (0.03 if levels == 1 else 2e-4)
 
 
-def test_dot_layout_round_trips_through_the_dequantizing_reader():
+@needs_vnni
+@pytest.mark.parametrize("n,k,group", [(32, 32, 32), (96, 64, 32), (64, 128, 64), (32, 256, 128)])
+def test_int4_dot_matmul_matches_numpy(n, k, group):
+    """W4A8: nibbles q in [0, 15] with a scale and minimum per block of ``group``, against
+    the dequantized activations times the dequantized weight in float64."""
+    rng = np.random.default_rng()
+    lib = _build(("q", K.quantize_rows(k, 1)), ("mm", K4.int4_matmul(n, k, group)))
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    d = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float16).astype(np.float32)
+    low = rng.uniform(-0.2, 0.05, (n, k // group)).astype(np.float16).astype(np.float32)
+    w = np.repeat(low, group, axis=1) + q * np.repeat(d, group, axis=1)
+    params = [tvm.runtime.tensor(a) for a in (K4.pack_weight(q), K4.pack_scales(d), K4.pack_scales(low))]
+    for m in (1, 4, 5, 9):
+        x = _activations(rng, m, k)
+        xq, xs, xc = _quantize(lib, x, 1)
+        out = tvm.runtime.tensor(np.full((m, n), np.nan, np.float32))
+        lib["mm"](*(tvm.runtime.tensor(a) for a in (xq, xs, xc)), *params, out)
+        levels = (xq.reshape(m, -1, K.ACT_BLOCK).astype(np.float64) * xs[..., None]).reshape(m, k)
+        ref = levels @ w.T.astype(np.float64)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_dot_layout_round_trips_through_the_dequantizing_reader(kind):
     """A weight stored for the dot kernels is still read element by element (a tied
-    embedding's Gather): ``dequant_value`` at every (row, column) gives q * s back."""
+    embedding's Gather): ``dequant_value`` at every (row, column) gives the weight back."""
     from tvm import te
 
     from kiln.compiler.lower.quant_weights import WeightStorage, stored_arrays, stored_specs, take_rows_te
 
     rng = np.random.default_rng()
     rows, cols = 64, 96
-    q = rng.integers(-127, 128, (rows, cols)).astype(np.int8)
     s = rng.uniform(0.001, 0.02, (rows, cols // 32)).astype(np.float16).astype(np.float32)
-    storage = WeightStorage("int8", rows, cols, "w", "s", 32, False, int8_dot=True)
-    arrays = stored_arrays(storage, q, s)
+    if kind == "int8":
+        q = rng.integers(-127, 128, (rows, cols)).astype(np.int8)
+        storage = WeightStorage("int8", rows, cols, "w", "s", 32, False, int8_dot=True)
+        arrays, weight = stored_arrays(storage, q, s), q * np.repeat(s, 32, axis=1)
+    else:
+        q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+        low = rng.uniform(-0.2, 0.05, (rows, cols // 32)).astype(np.float16).astype(np.float32)
+        storage = WeightStorage("int4", rows, cols, "w", "s", 32, False, "m", int8_dot=True)
+        arrays = stored_arrays(storage, q, s, low)
+        weight = np.repeat(low, 32, axis=1) + q * np.repeat(s, 32, axis=1)
     specs = stored_specs(storage)
     assert {name: (a.shape, str(a.dtype)) for name, a in arrays.items()} == {
         name: (tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
@@ -111,7 +142,7 @@ def test_dot_layout_round_trips_through_the_dequantizing_reader():
     fn = tvm.compile(te.create_prim_func([ids, *params, out]), target=target)
     got = tvm.runtime.tensor(np.zeros((rows, cols), np.float32))
     fn(tvm.runtime.tensor(np.arange(rows, dtype=np.int64)), *(tvm.runtime.tensor(arrays[n]) for n in specs), got)
-    np.testing.assert_array_equal(got.numpy(), q * np.repeat(s, 32, axis=1))
+    np.testing.assert_allclose(got.numpy(), weight, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("function,levels", [("QuantizeActivations", 1), ("QuantizeActivationsResidual", 2)])
@@ -188,12 +219,14 @@ def test_int8_activations_are_refused_where_they_cannot_run():
         CompileOptions(parse_target("llvm:x86-64-v3"), quant=parse_quant("w8a8"))
     with pytest.raises(ValueError, match="avx512_vnni"):
         CompileOptions(parse_target("cuda"), quant=parse_quant("int8", activations="int8"))
-    with pytest.raises(ValueError, match="int8 weights"):
-        parse_quant("int4-g32", activations="int8")
+    with pytest.raises(ValueError, match="int8 or int4 weights"):
+        parse_quant("fp16", activations="int8")
+    assert parse_quant("w4a8").scheme.name == "int4-g32" and parse_quant("int4-g64", activations="int8").name == "int4-g64"
     assert parse_quant("w8a8", activations="float32").activations == "float32"
     assert parse_quant("w8a8").name == "w8a8" and parse_quant("int8", activations="int8").name == "w8a8"
-    # kiln compile's default: int8 activations for int8 weights where the CPU has VNNI.
+    # kiln compile's default: int8 activations for int8 and int4 weights where the CPU has VNNI.
     host = parse_target("llvm")
     assert default_activations("int8", host) == ("int8" if host.int8_dot else None)
     assert default_activations("int8", parse_target("llvm:x86-64-v3")) is None
-    assert default_activations("int4-g32", host) is None and default_activations("fp32", host) is None
+    assert default_activations("int4-g32", host) == ("int8" if host.int8_dot else None)
+    assert default_activations("fp32", host) is None and default_activations("fp16", host) is None

@@ -38,8 +38,13 @@ def _logits(tmp_path, smollm2_graphs, kv_dtype):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, smollm2_graphs):
-    return _logits(tmp_path_factory.mktemp("kv-ref"), smollm2_graphs, "float32")
+def reference(smollm2_artifact):
+    """The float32-KV artifact of the same weights and context: the session's default-model
+    fixture (compiled once for every test that needs it)."""
+    engine = Engine.load(smollm2_artifact, background=False)
+    assert engine.kv_capacity.dtype == "float32"
+    ids = engine.tokenizer.encode(TEXT)[:engine.manifest.model.context_length]
+    return ids, teacher_forced_logits(engine, ids, chunk=CHUNK)
 
 
 @pytest.mark.slow

@@ -204,10 +204,11 @@ def _quantized_onnx(checkpoint_dir, quant):
 
 @pytest.mark.parametrize("variant,scheme", [("llama", "int8"), ("llama", "int4-g32"), ("qwen2", "int4-g128"),
                                             ("qwen2", "fp16"),
-                                            pytest.param("qwen2", "w8a8", marks=pytest.mark.skipif(
-                                                not parse_target("llvm").int8_dot, reason="no AVX-512 VNNI"))])
+                                            *(pytest.param(v, s, marks=pytest.mark.skipif(
+                                                not parse_target("llvm").int8_dot, reason="no AVX-512 VNNI"))
+                                              for v, s in (("qwen2", "w8a8"), ("llama", "w4a8")))])
 def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path, checkpoint, variant, scheme):
-    """The compiled int8 / int4 / fp16 / w8a8 artifact computes what onnxruntime computes on
+    """The compiled int8 / int4 / fp16 / w8a8 / w4a8 artifact computes what onnxruntime computes on
     the same quantized ONNX; its params keep their storage dtypes (never a float copy)."""
     import onnx_ir as ir
     import onnxruntime as ort
@@ -296,7 +297,7 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     # decode_b1 (and, forced, through the dynamic decode); all must give onnxruntime's
     # next-token logits.
     limit = m.dispatch.decode_max_batch
-    assert limit == {"int8": 16, "int4": 8, "fp16": 8}[kind]
+    assert limit == (16 if quant.activations == "int8" else {"int8": 16, "int4": 8, "fp16": 8}[kind])
     batch, length = limit + 1, 9
     prompts = rng.integers(0, m.model.vocab_size, (batch, length + 3), dtype=np.int64)
 

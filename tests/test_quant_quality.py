@@ -1,19 +1,19 @@
-"""Quality gate of weight-only quantization on the default model (SmolLM2-135M-Instruct):
+"""Quality gate of quantization on the default model (SmolLM2-135M-Instruct):
 teacher-forced perplexity on a fixed text shipped with the tests, and top-1 agreement with
 the float32 artifact, position by position.
 
-The issue's targets (TARGETS): int8 perplexity within 1% of float32 and agreement >= 97%;
-int4-g32 within 6% and >= 90%. Measured (perplexity change / agreement over 525 tokens):
-int8 -0.01% / 97.7%, int4-g32 +0.00% / 100%, int4-g128 (no target) +61% / 66.7%. The
-model's float32 weights are a dequantized GGUF (Q4_1 projections, Q8_0 token table),
-which Kiln's asymmetric int4 blocks and int8 tables reproduce; the earlier symmetric int4
-scheme measured +36% / 62% and per-channel int8 +0.55% / 96.0%. w8a8 (int8 activations per
-block of 16, the LM head's in two levels) measured +0.14% / 97.7% here (float16 KV, as compiled
-by default); with float32 KV and 512-token chunks -0.11% / 96.6%, and +0.38% / 97.1% over the
-2,047 tokens of long_quality_text.txt. Which near-ties flip is that sensitive; with activation
-blocks of 32 the agreement was 96.4-96.5%. The test gates on GATES,
-a little below what is measured, so a regression fails, and warns when a target is missed. int4-g128 re-quantizes 32-wide 4-bit blocks into 128-wide ones: on a 135M
-model that loses a third of the top-1 tokens, which is why g32 is the int4 to use here."""
+The issues' targets (TARGETS): int8 perplexity within 1% of float32 and agreement >= 97%;
+int4-g32 within 6% and >= 90%; int8 activations (w8a8, w4a8) within 1% and >= 97%.
+Measured (perplexity change / agreement over 525 tokens): int8 -0.01% / 97.7%, int4-g32
++0.00% / 100%, w8a8 +0.14% / 97.7%, w4a8 +0.15% / 98.5%; over the 2,047 tokens of
+long_quality_text.txt w8a8 +0.21% / 97.2% and w4a8 +0.15% / 98.1%. The model's float32
+weights are a dequantized GGUF (Q4_1 projections, Q8_0 token table), which Kiln's
+asymmetric int4 blocks and int8 tables reproduce; the earlier symmetric int4 scheme
+measured +36% / 62%, per-channel int8 +0.55% / 96.0%, int4-g128 +61% / 66.7% (it folds
+four 4-bit blocks into one), and int8 activations in blocks of 32 96.4% (one outlier
+flattens its block). Which near-ties flip is sensitive: w8a8 with float32 KV and
+512-token chunks measured 96.6% here. The test gates on GATES, a little below what is
+measured, so a regression fails, and warns when a target is missed."""
 
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ from kiln.runtime.quality import perplexity, teacher_forced_logits, top1_agreeme
 TEXT = (Path(__file__).parent / "data" / "quality_text.txt").read_text()
 
 # (max perplexity increase, min agreement); w8a8: int8 weights and int8 activations (issue 14).
-TARGETS = {"int8": (0.01, 0.97), "int4-g32": (0.06, 0.90), "w8a8": (0.01, 0.97)}
-GATES = {"int8": (0.005, 0.965), "int4-g32": (0.01, 0.98), "int4-g128": (0.70, 0.63), "w8a8": (0.005, 0.96)}
+TARGETS = {"int8": (0.01, 0.97), "int4-g32": (0.06, 0.90), "w8a8": (0.01, 0.97), "w4a8": (0.01, 0.97)}
+# int4-g128 (no target; +61% / 66.7% when last gated) is no longer compiled here: the suite's
+# time goes to the schemes Kiln recommends.
+GATES = {"int8": (0.005, 0.965), "int4-g32": (0.01, 0.98), "w8a8": (0.005, 0.96), "w4a8": (0.005, 0.97)}
 
 
 @pytest.fixture(scope="module")

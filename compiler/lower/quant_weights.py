@@ -29,10 +29,12 @@ short ones (a 576-wide int8 row is 9 cache lines, too short for the hardware pre
 a cold int8 GEMV measured 11 GB/s plain and 24-30 GB/s interleaved. Scales and minima stay
 [rows, nb]. Weights whose rows or row length do not divide are stored plain.
 
-int8 dot-product layout (``int8_dot``: an int8 weight whose MatMuls take int8 activations,
-on CPUs with VNNI): data uint8 [rows / 32, cols * 32] (q + 128, tiles of 32 rows by 4
-columns) and scale float16 [rows / 16, nb * 16], as ``kernels/cpu_int8_matmul.py``
-describes; other readers of the same weight (a tied embedding's Gather) dequantize from it.
+Dot-product layouts (``int8_dot``: a weight whose MatMuls take int8 activations, on CPUs
+with VNNI): int8 data uint8 [rows / 32, cols * 32] (q + 128, tiles of 32 rows by 4
+columns), ``kernels/cpu_int8_matmul.py``; int4 data uint8 [rows / 32, cols * 16] (tiles of
+32 rows by 8 columns, two nibbles a byte), ``kernels/cpu_int4_matmul.py``; scales (and
+minima) float16 [rows / 16, nb * 16]. Other readers of the same weight (a tied
+embedding's Gather) dequantize from it.
 
 Float32 panels (CPU targets): a float32 projection weight W [N, K] (an initializer read
 only as MatMul(x, Transpose(W))) is stored as panels of PANEL output rows, K-major:
@@ -53,6 +55,7 @@ import numpy as np
 import onnx_ir as ir
 from tvm import te, tirx
 
+from .kernels import cpu_int4_matmul as int4_kernels
 from .kernels import cpu_int8_matmul as int8_kernels
 
 INT4_GROUP = 32  # columns per nibble-layout group (see above)
@@ -78,7 +81,7 @@ class WeightStorage:
     minimum: str | None = None
     # Which node's value it is, not how it is stored: two consumers of one weight differ here.
     output: str = field(default="", compare=False)
-    int8_dot: bool = False  # int8 stored for the dot-product kernels (above)
+    int8_dot: bool = False  # stored for the dot-product kernels (above)
 
     @property
     def units(self) -> int:
@@ -206,9 +209,12 @@ def stored_specs(storage: WeightStorage) -> dict[str, tuple[tuple[int, ...], str
     r, c = storage.rows, storage.cols
     t = storage.tile
     if storage.int8_dot:
-        nb = c // storage.group_size
-        return {storage.data: ((r // int8_kernels.WEIGHT_TILE, c * int8_kernels.WEIGHT_TILE), "uint8"),
-                storage.scale: ((r // int8_kernels.LANES, nb * int8_kernels.LANES), "float16")}
+        nb, lanes, tile = c // storage.group_size, int8_kernels.LANES, int8_kernels.WEIGHT_TILE
+        per_row = c * (lanes if storage.kind == "int4" else tile)
+        specs = {storage.data: ((r // tile, per_row), "uint8"), storage.scale: ((r // lanes, nb * lanes), "float16")}
+        if storage.minimum is not None:
+            specs[storage.minimum] = ((r // lanes, nb * lanes), "float16")
+        return specs
     if storage.kind == "fp32":
         return {storage.data: ((r // t, c, t) if t > 1 else (r, c), "float32")}
     if storage.kind == "fp16":
@@ -252,6 +258,12 @@ def float_panel_storage(value: ir.Value) -> WeightStorage | None:
     return storage if uses and storage.tile > 1 else None
 
 
+def _value(node: ir.Node, storage: WeightStorage) -> ir.Value:
+    """The value the weight's readers read: the end of the int4 minimum chain, or the node's."""
+    chain = chain_nodes(node, storage)
+    return chain[-1].outputs[0] if chain else node.outputs[0]
+
+
 def int8_dot_weights(graphs) -> frozenset[str]:
     """Data names of the int8 weights (blocks of 32, whole kernel tiles) that a MatMul
     multiplies by int8 activations (its A is a ``QuantizeActivations`` output,
@@ -264,10 +276,13 @@ def int8_dot_weights(graphs) -> frozenset[str]:
             if node.op_type != "DequantizeLinear":
                 continue
             storage = storage_of(node)
-            if (storage is None or storage.kind != "int8" or storage.group_size != int8_kernels.BLOCK
-                    or not int8_kernels.supports(storage.rows, storage.cols)):
+            if storage is None or not (
+                    (storage.kind == "int8" and storage.group_size == int8_kernels.BLOCK
+                     and int8_kernels.supports(storage.rows, storage.cols))
+                    or (storage.kind == "int4" and storage.minimum is not None
+                        and int4_kernels.supports(storage.rows, storage.cols, storage.group_size))):
                 continue
-            out = node.outputs[0]
+            out = _value(node, storage)
             readers = [(u, i) for t, _ in out.uses() if t.op_type == "Transpose" for u, i in t.outputs[0].uses()]
             readers += list(out.uses())
             for user, idx in readers:
@@ -310,6 +325,9 @@ def stored_arrays(storage: WeightStorage, data: np.ndarray, scale: np.ndarray | 
         scale = None if scale is None else scale.T
         minimum = None if minimum is None else minimum.reshape(minimum.shape[0], -1).T
     data = np.asarray(data)[:, :storage.cols]  # the chain's zero padding to whole blocks
+    if storage.int8_dot and storage.kind == "int4":
+        return {storage.data: int4_kernels.pack_weight(data.astype(np.uint8)),
+                storage.scale: int8_kernels.pack_scales(scale), storage.minimum: int8_kernels.pack_scales(minimum)}
     if storage.int8_dot:
         return {storage.data: int8_kernels.pack_weight(data.astype(np.int8)),
                 storage.scale: int8_kernels.pack_scales(scale)}
@@ -378,8 +396,14 @@ def dequant_value(storage: WeightStorage, stored, r, c):
     t = storage.tile
     if storage.int8_dot:
         tile, lanes = int8_kernels.WEIGHT_TILE, int8_kernels.LANES
+        at = (c // storage.group_size) * lanes + r % lanes
+        scale = rest[0][r // lanes, at].astype("float32")
+        if storage.kind == "int4":
+            byte = data[r // tile, ((c // 8) * 2 + (r % tile) // lanes) * 64 + (r % lanes) * 4 + c % 4]
+            nibble = tirx.bitwise_and(tirx.shift_right(byte, ((c // 4) % 2 * 4).astype("uint8")),
+                                      tirx.const(15, "uint8"))
+            return rest[1][r // lanes, at].astype("float32") + nibble.astype("float32") * scale
         byte = data[r // tile, ((c // 4) * 2 + (r % tile) // lanes) * 64 + (r % lanes) * 4 + c % 4]
-        scale = rest[0][r // lanes, (c // storage.group_size) * lanes + r % lanes].astype("float32")
         return (byte.astype("int32") - 128).astype("float32") * scale
     if storage.kind == "fp32":
         return data[r // t, c, r % t] if t > 1 else data[r, c]

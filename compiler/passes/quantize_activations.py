@@ -1,4 +1,5 @@
-"""Rewrite (int8 activations, W8A8): the input of every MatMul that reads an int8 weight
+"""Rewrite (int8 activations, W8A8 / W4A8): the input of every MatMul that reads an int8
+or int4 weight
 goes through a quantizing ONNX function first: a model-local function (domain
 FUNCTION_DOMAIN) whose body is standard ops, so onnxruntime runs the quantized graph as
 the oracle and the lowering sees one node to turn into integer kernels
@@ -13,8 +14,8 @@ inputs:  s = max(max |x|, 1e-30) / 127;  y = clip(round(x / s), -127, 127) * s
 logits) takes QuantizeActivationsResidual instead,
 y = q(x) + q(x - q(x)): two int8 levels, ~15 bits, so the logits lose nothing measurable
 (one level cost 0.5 points of top-1 agreement on the default model). One node per
-distinct activation: q/k/v read one, and gate/up one. Only int8 weights with blocks of
-32 take it (int4 weights keep float activations for now).
+distinct activation: q/k/v read one, and gate/up one. int8 weights in blocks of 32 and
+int4 weights in blocks of a multiple of 16 take it (W8A8, W4A8).
 """
 
 from __future__ import annotations
@@ -36,15 +37,20 @@ def _is_onnx(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
-def _int8_weight(value: ir.Value) -> bool:
-    """``value`` (a MatMul's B) is an int8, block-32 dequantized initializer, possibly transposed."""
+def _integer_weight(value: ir.Value) -> bool:
+    """``value`` (a MatMul's B) is a dequantized initializer the dot-product kernels take:
+    int8 in blocks of 32 (possibly transposed), or uint4 in blocks of a multiple of 16
+    through the int4 minimum chain (Reshape, Add, Reshape [, Slice])."""
     node = value.producer()
-    if _is_onnx(node, "Transpose"):
+    while node is not None and any(_is_onnx(node, op) for op in ("Transpose", "Reshape", "Add", "Slice")):
         node = node.inputs[0].producer()
     if not _is_onnx(node, "DequantizeLinear") or node.inputs[0].const_value is None:
         return False
     block = node.attributes.get("block_size")
-    return node.inputs[0].dtype == ir.DataType.INT8 and block is not None and int(block.value) == WEIGHT_BLOCK
+    block = int(block.value) if block is not None else 0
+    if node.inputs[0].dtype == ir.DataType.INT8:
+        return block == WEIGHT_BLOCK
+    return node.inputs[0].dtype == ir.DataType.UINT4 and block > 0 and block % BLOCK == 0
 
 
 def _const(name: str, array: np.ndarray) -> ir.Node:
@@ -102,7 +108,7 @@ def quantize_activations(model: ir.Model) -> ir.Model:
     graph = model.graph
     quantized: dict[tuple[str, str], ir.Value] = {}  # (activation, function) -> the function's output
     for node in list(graph):
-        if not _is_onnx(node, "MatMul") or not _int8_weight(node.inputs[1]):
+        if not _is_onnx(node, "MatMul") or not _integer_weight(node.inputs[1]):
             continue
         # The LM head: its output is the graph's logits.
         kind = "head" if node.outputs[0].is_graph_output() else "projection"

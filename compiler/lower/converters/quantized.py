@@ -18,6 +18,7 @@ from tvm.relax import op as R
 
 from ...passes.quantize_activations import FUNCTION, FUNCTION_DOMAIN, FUNCTIONS, RESIDUAL_FUNCTION
 from ..context import shape
+from ..kernels import cpu_int4_matmul as int4_kernels
 from ..kernels import cpu_int8_matmul as int8_kernels
 from ..quant_weights import WeightStorage, chain_nodes, dequant_te, matmul_nt_te, storage_of, take_rows_te
 from ..registry import converter
@@ -107,7 +108,7 @@ def dequantize_linear(ctx, node, inputs):
 
 
 # --------------------------------------------------------------------------------------
-# int8 activations (W8A8): passes/quantize_activations.py, kernels/cpu_int8_matmul.py
+# int8 activations (W8A8, W4A8): passes/quantize_activations.py, kernels/cpu_int{8,4}_matmul.py
 
 
 @converter(FUNCTION, RESIDUAL_FUNCTION, domain=FUNCTION_DOMAIN)
@@ -153,8 +154,8 @@ def _kernel(ctx, name: str, make):
 
 def _int8_dot_matmul(ctx, activation: list, ref: QuantizedRef) -> relax.Expr:
     """x [..., K] @ W.T as int8 dot products: x quantized once per activation (the levels,
-    scales and offsets kept for its other matmuls), then one VNNI kernel per weight. With
-    two levels each row of x is two rows of levels, whose outputs are summed."""
+    scales and offsets kept for its other matmuls), then one VNNI kernel per weight (int8
+    or int4). With two levels each row of x is two rows of levels, whose outputs are summed."""
     x, _, levels = activation
     *lead, k = shape(x)
     n, k = ref.storage.rows, int(k)
@@ -169,7 +170,11 @@ def _int8_dot_matmul(ctx, activation: list, ref: QuantizedRef) -> relax.Expr:
             relax.TensorType([rows * levels, k], "int8"), relax.TensorType([rows * levels, nb], "float32"),
             relax.TensorType([rows * levels, nb], "int32")]))
         activation[1] = tuple(ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(3))
-    gv = _kernel(ctx, f"int8_dot_matmul_n{n}_k{k}", lambda: int8_kernels.int8_matmul(n, k))
+    if ref.storage.kind == "int4":
+        g = ref.storage.group_size
+        gv = _kernel(ctx, f"int4_dot_matmul_n{n}_k{k}_g{g}", lambda: int4_kernels.int4_matmul(n, k, g))
+    else:
+        gv = _kernel(ctx, f"int8_dot_matmul_n{n}_k{k}", lambda: int8_kernels.int8_matmul(n, k))
     y = ctx.bb.emit(relax.call_tir(gv, [*activation[1], *ref.args],
                                    out_ty=relax.TensorType([rows * levels, n], "float32")))
     if levels > 1:

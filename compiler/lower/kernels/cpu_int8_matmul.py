@@ -58,6 +58,23 @@ def _dot(acc, unsigned, signed):
                                    T.reinterpret(unsigned, dtype="int8x64"), T.reinterpret(signed, dtype="int8x64"))
 
 
+@T.macro
+def zero(acc, value):
+    """All ROWS x VECTORS accumulators of a tile = value."""
+    for i in T.unroll(ROWS * VECTORS):
+        acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(value, LANES)
+
+
+@T.macro
+def store_rows(out, facc, m, mo, t):
+    """The tile's float accumulators -> out rows mo * ROWS.. (those below m), columns of tile t."""
+    for mi in T.unroll(ROWS):
+        if mo * ROWS + mi < m:
+            for v in T.unroll(VECTORS):
+                out[mo * ROWS + mi, T.ramp((t * VECTORS + v) * LANES, 1, LANES)] = facc[
+                    T.ramp((mi * VECTORS + v) * LANES, 1, LANES)]
+
+
 def quantize_rows(k: int, levels: int = 1):
     """x float32 [M, K] -> xq int8 [M * levels, K], xs float32 [M * levels, K / 16]
     (scales), xc int32 [M * levels, K / 16] (-128 * the block's sum of xq), one task per
@@ -139,8 +156,7 @@ def int8_matmul(n: int, k: int):
                 facc = T.sblock_alloc_buffer((mt * nv * LANES,), "float32")
                 iacc = T.sblock_alloc_buffer((mt * nv * LANES,), "int32")
                 for mo in T.serial((m + mt - 1) // mt):
-                    for i in T.unroll(mt * nv):
-                        facc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+                    zero(facc, T.float32(0))
                     for b, h in T.grid(nb, halves):
                         a: T.let[T.int32] = b * halves + h  # the activation block
                         for mi in T.unroll(mt):
@@ -161,11 +177,7 @@ def int8_matmul(n: int, k: int):
                                     + T.Cast("float32x16", iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)])
                                     * (T.Cast("float32x16", ws[t * nv + v, T.ramp(b * LANES, 1, LANES)])
                                        * T.broadcast(xs[T.min(mo * mt + mi, m - 1), a], LANES)))
-                    for mi in T.unroll(mt):
-                        if mo * mt + mi < m:
-                            for v in T.unroll(nv):
-                                out[mo * mt + mi, T.ramp((t * nv + v) * LANES, 1, LANES)] = facc[
-                                    T.ramp((mi * nv + v) * LANES, 1, LANES)]
+                    store_rows(out, facc, m, mo, t)
 
     return int8_dot_matmul
 
