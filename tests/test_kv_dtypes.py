@@ -69,38 +69,57 @@ def test_the_cache_stores_torchs_keys_and_values_in_its_form(checkpoint, compile
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_every_cache_path_reads_the_same_stored_rows(compiled, torch_model, kv_dtype):
     """Chunked prefill, batched decode, fork (page-aligned and not) and popn give the logits
-    of the whole sequence prefilled at once."""
+    of the whole sequence prefilled at once.
+
+    Up to the stored form's rounding: two routes compute K and V with float32 noise of
+    ~1e-7 (attention over cached pages vs within a chunk sums in another order), and a
+    value that close to a rounding boundary of float16 / int8 is stored one step apart
+    (README, "KV-cache precision"). So most rows must agree to 1e-4 (a wrong row, page,
+    offset or scale breaks every later row), and every row within a tenth of what storing
+    K and V in this form costs at all (the float32-KV artifact against this one)."""
     ex = Engine.load(compiled("llama", "llvm", kv_dtype), background=False)._executor
+    ex32 = Engine.load(compiled("llama", "llvm", "float32"), background=False)._executor
     rng = np.random.default_rng()
     vocab = torch_model.config.vocab_size
     seq = rng.integers(0, vocab, 48).tolist()
-    cache = _cache(ex)
+    cache, cache32 = _cache(ex), _cache(ex32)
 
-    def whole(ids, sid=9):
-        cache.add(sid)
-        out = ex.forward(cache, [Chunk(sid, tuple(ids[:-1]), 0, tuple(range(len(ids) - 1)))])
-        cache.remove(sid)
+    def whole(ids, sid=9, executor=ex, kv=cache):
+        kv.add(sid)
+        out = executor.forward(kv, [Chunk(sid, tuple(ids[:-1]), 0, tuple(range(len(ids) - 1)))])
+        kv.remove(sid)
         return out
 
     ref = whole(seq + [0])  # row t: logits after seq[:t + 1]
+    effect = np.abs(ref - whole(seq + [0], executor=ex32, kv=cache32)).max()
+    assert effect > 1e-4  # the stored form does round
+    tight = []
+
+    def check(got, want):
+        got, want = np.atleast_2d(got), np.atleast_2d(want)
+        error = np.abs(got - want).max(axis=-1)
+        assert (error <= 0.1 * effect).all(), (error.max(), effect)
+        tight.extend(error <= 1e-4)
+
     cache.add(0)
     cut = int(rng.integers(5, 30))
     a = ex.forward(cache, [Chunk(0, tuple(seq[:cut]), 0, tuple(range(cut)))])
     b = ex.forward(cache, [Chunk(0, tuple(seq[cut:40]), cut, tuple(range(40 - cut)))])  # paged prefill
-    np.testing.assert_allclose(np.concatenate([a, b]), ref[:40], atol=1e-4)
+    check(np.concatenate([a, b]), ref[:40])
     cache.fork(0, 1, 32)  # shares two pages
     cache.fork(0, 2, 21)  # copies a partial page
     for pos in range(40, 44):  # batched decode of 0 beside its forks' prefills
         out = ex.forward(cache, [Chunk(0, (seq[pos],), pos)])
-        np.testing.assert_allclose(out[0], ref[pos], atol=1e-4)
+        check(out[0], ref[pos])
     tails = {1: rng.integers(0, vocab, 7).tolist(), 2: rng.integers(0, vocab, 5).tolist()}
     out = ex.forward(cache, [Chunk(1, tuple(tails[1]), 32), Chunk(2, tuple(tails[2]), 21)])
-    np.testing.assert_allclose(out[0], whole(seq[:32] + tails[1] + [0])[-1], atol=1e-4)
-    np.testing.assert_allclose(out[1], whole(seq[:21] + tails[2] + [0])[-1], atol=1e-4)
+    check(out[0], whole(seq[:32] + tails[1] + [0])[-1])
+    check(out[1], whole(seq[:21] + tails[2] + [0])[-1])
     cache.popn(0, 10)  # back to 34 tokens, then a different continuation
     other = rng.integers(0, vocab, 6).tolist()
     out = ex.forward(cache, [Chunk(0, tuple(other), 34)])
-    np.testing.assert_allclose(out[0], whole(seq[:34] + other + [0])[-1], atol=1e-4)
+    check(out[0], whole(seq[:34] + other + [0])[-1])
+    assert np.mean(tight) >= 0.75, f"{np.mean(tight):.0%} of rows within 1e-4"
     for sid in (0, 1, 2):
         cache.remove(sid)
     assert cache.available_pages() == cache.total_pages
