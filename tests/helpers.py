@@ -123,3 +123,36 @@ def matmul_module(m: int, k: int, n: int):
             out = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
         bb.emit_func_output(out)
     return bb.get()
+
+
+WORDS = "the quick brown fox jumps over a lazy dog Paris France capital".split()
+
+
+def random_requests_free_every_page(engine, rng, count: int, max_tokens: int, n_choices: tuple[int, ...]) -> None:
+    """Drive a foreground engine with ``count`` random requests (40% sharing a prefix, some
+    with n > 1), stepping it a random 0-2 times between submissions and cancelling a live
+    one 15% of the time; after every step the scheduler's ledger must agree with the cache's
+    free pages, and when all is done (prefix holders released) every page is free."""
+    shared = " ".join(rng.choices(WORDS, k=12))
+    live = []
+
+    def step():
+        engine.step()
+        assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
+
+    for i in range(count):
+        text = (shared + " " if rng.random() < 0.4 else "") + " ".join(rng.choices(WORDS, k=rng.randint(1, 10)))
+        live.append(engine.submit(text, max_tokens=rng.randint(1, max_tokens), n=rng.choice(n_choices),
+                                  temperature=0.8, seed=i))
+        for _ in range(rng.randint(0, 2)):
+            if engine.core.has_work():
+                step()
+        if rng.random() < 0.15:
+            rng.choice(live).cancel()
+        live = [s for s in live if not s.done]
+    while engine.core.has_work():
+        step()
+    engine.scheduler.check()
+    for holder in engine.scheduler.prefix.holders():
+        engine.cache.remove(holder)
+    assert engine.cache.available_pages() == engine.cache.total_pages

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from helpers import torch_greedy
+from helpers import random_requests_free_every_page, torch_greedy
 from kiln.compiler.models.source import resolve_model
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.errors import KilnError
@@ -74,27 +74,7 @@ def test_thousand_random_requests_with_cancellations_free_every_page(compiled):
     rng = random.Random()
     engine = Engine.load(compiled("llama"), EngineConfig(max_num_seqs=8, max_total_tokens=640, max_batched_tokens=48,
                                                          watermark=0.02), background=False)
-    words = "the quick brown fox jumps over a lazy dog Paris France capital".split()
-    shared = " ".join(rng.choices(words, k=12))
-    live = []
-    for i in range(1000):
-        text = (shared + " " if rng.random() < 0.4 else "") + " ".join(rng.choices(words, k=rng.randint(1, 10)))
-        n = rng.choice([1, 1, 1, 2])
-        live.append(engine.submit(text, max_tokens=rng.randint(1, 6), n=n, temperature=0.8, seed=i))
-        for _ in range(rng.randint(0, 2)):
-            if engine.core.has_work():
-                engine.step()
-                assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
-        if rng.random() < 0.15:
-            rng.choice(live).cancel()
-        live = [s for s in live if not s.done]
-    while engine.core.has_work():
-        engine.step()
-        assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
-    engine.scheduler.check()
-    for holder in engine.scheduler.prefix.holders():
-        engine.cache.remove(holder)
-    assert engine.cache.available_pages() == engine.cache.total_pages
+    random_requests_free_every_page(engine, rng, 1000, max_tokens=6, n_choices=(1, 1, 1, 2))
     assert engine.metrics.requests == 1000
 
 

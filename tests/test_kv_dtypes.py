@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import random_requests_free_every_page
 from kiln.compiler.models.source import resolve_model
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.executor import CacheConfig, Chunk
@@ -141,25 +142,5 @@ def test_the_engine_serves_batched_as_alone_and_frees_every_page(compiled, kv_dt
     rng = random.Random()
     engine = Engine.load(folder, EngineConfig(max_num_seqs=8, max_total_tokens=480, max_batched_tokens=48,
                                               watermark=0.02), background=False)
-    words = "the quick brown fox jumps over a lazy dog Paris France capital".split()
-    shared = " ".join(rng.choices(words, k=12))
-    live = []
-    for i in range(300):
-        text = (shared + " " if rng.random() < 0.4 else "") + " ".join(rng.choices(words, k=rng.randint(1, 10)))
-        live.append(engine.submit(text, max_tokens=rng.randint(1, 8), n=rng.choice([1, 1, 2]), temperature=0.8,
-                                  seed=i))
-        for _ in range(rng.randint(0, 2)):
-            if engine.core.has_work():
-                engine.step()
-                assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
-        if rng.random() < 0.15:
-            rng.choice(live).cancel()
-        live = [s for s in live if not s.done]
-    while engine.core.has_work():
-        engine.step()
-        assert engine.scheduler.ledger.free_pages == engine.cache.available_pages()
-    engine.scheduler.check()
-    for holder in engine.scheduler.prefix.holders():
-        engine.cache.remove(holder)
-    assert engine.cache.available_pages() == engine.cache.total_pages
+    random_requests_free_every_page(engine, rng, 300, max_tokens=8, n_choices=(1, 1, 2))
     assert engine.kv_capacity.dtype == kv_dtype
