@@ -29,8 +29,8 @@ TARGET_HELP = "llvm (this CPU), llvm:<mcpu>, cuda (sm_90) or cuda:sm_80|sm_86|sm
                    "with int8 embedding / LM head, or fp16; w8a8 / w4a8: int8 / int4-g32 weights with int8 activations")
 @click.option("--act", "activations", type=click.Choice(list(ACTIVATIONS)), default=None,
               help="activations into int8-weight matmuls: int8 (per row and block of 16, integer dot "
-                   "products; CPUs with AVX-512 VNNI) or float32 (weight-only) [default: int8 for int8 and "
-                   "int4 weights where the target has VNNI, else float32]")
+                   "products; CPUs with AVX-512 VNNI or AVX2) or float32 (weight-only) [default: int8 for "
+                   "int8 and int4 weights where the target has either, else float32]")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
               help="also quantize the token embedding table")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,

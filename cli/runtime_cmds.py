@@ -36,7 +36,7 @@ def inspect_command(artifact, as_json):
                   f"head_dim {c.head_dim}, ffn {c.intermediate_size}, vocab {c.vocab_size}"),
         ("context", f"{c.context_length} tokens"),
         ("target", target),
-        ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {_activations(m.activation_dtype)}"),
+        ("weights", f"{m.quantization}, {len(m.params)} tensors, activations {_activations(m.activation_dtype, m.target.cpu_features)}"),
         ("kv cache", _kv_cache_row(m)),
         ("functions", ", ".join(m.functions)),
         ("dispatch", _dispatch_row(m.dispatch)),
@@ -169,9 +169,11 @@ def _kv_cache_row(manifest) -> str:
             f"pages; {sequences_per_gib(per_token, model.context_length):,.1f} full-context sequences per GiB")
 
 
-def _activations(dtype: str) -> str:
+def _activations(dtype: str, cpu_features: tuple[str, ...]) -> str:
     if dtype == "int8":
-        return "int8 (per row and block of 16; AVX-512 VNNI integer dot products)"
+        # The kernels build for the target's best dot-product ISA (compiler/targets.py DOT_ISAS).
+        isa = "AVX-512 VNNI" if "avx512_vnni" in cpu_features else "AVX2"
+        return f"int8 (per row and block of 16; {isa} integer dot products)"
     return dtype
 
 

@@ -30,6 +30,10 @@ _CPUINFO_FLAGS = {
 }
 
 
+# LLVM features each integer dot-product ISA of the int8 kernels needs, best first.
+DOT_ISAS = {"avx512_vnni": {"avx512vnni", "avx512bw", "avx512f"}, "avx2": {"avx2"}}
+
+
 @dataclass(frozen=True)
 class TargetSpec:
     kind: str  # "llvm" | "cuda"
@@ -56,18 +60,27 @@ class TargetSpec:
             return f"llvm:{self.mcpu}" if self.mcpu else "llvm (this host's CPU)"
         return f"{self.kind}:{self.arch}"
 
-    @property
-    def int8_dot(self) -> bool:
-        """The target's CPU has AVX-512 VNNI (``vpdpbusd``): Kiln's int8 dot-product kernels
-        (``lower/kernels/cpu_int8_matmul.py``) build for it."""
+    def dot_isas(self) -> tuple[str, ...]:
+        """The integer dot-product ISAs of Kiln's int8 kernels (``lower/kernels/cpu_int8_matmul.py``)
+        the target's CPU has, best first: ``avx512_vnni`` (``vpdpbusd``), ``avx2``
+        (``vpmaddubsw`` + ``vpmaddwd``)."""
         if self.kind != "llvm":
-            return False
+            return ()
         from tvm.target import codegen
 
         target = self.tvm_target()
         with target:
             features = set(codegen.llvm_get_cpu_features(target))
-        return {"avx512vnni", "avx512bw", "avx512f"} <= features
+        return tuple(name for name, needs in DOT_ISAS.items() if needs <= features)
+
+    @property
+    def dot_isa(self) -> str | None:
+        """The ISA int8-activation kernels build for on this target (None: they cannot)."""
+        return next(iter(self.dot_isas()), None)
+
+    @property
+    def int8_dot(self) -> bool:
+        return self.dot_isa is not None
 
     def info(self) -> TargetInfo:
         """What the manifest records (resolved: the concrete CPU name and its features)."""

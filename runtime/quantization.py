@@ -73,7 +73,7 @@ class QuantConfig:
     embedding: bool = True
     lm_head: bool = True
     # "int8": the inputs of int8 / int4-weight matmuls are quantized per row and block of 16
-    # (symmetric) and multiplied with integer dot products (W8A8 / W4A8; CPUs with AVX-512 VNNI).
+    # (symmetric) and multiplied with integer dot products (W8A8 / W4A8; CPUs with AVX-512 VNNI or AVX2).
     activations: str = "float32"
 
     def __post_init__(self):

@@ -1,4 +1,5 @@
-"""int8 activations (W8A8, W4A8): the activation quantizer and the VNNI dot-product matmuls against
+"""int8 activations (W8A8, W4A8): the activation quantizer and the dot-product matmuls (every ISA
+this host has: AVX-512 VNNI, AVX2) against
 numpy's integer arithmetic, the ONNX function against numpy in onnxruntime, the graph
 rewrite's structure, and the refusals. Whole artifacts are held to onnxruntime in
 test_quant_lowering.py, the default model's quality in test_quant_quality.py."""
@@ -13,7 +14,11 @@ from kiln.compiler.lower.kernels import cpu_int4_matmul as K4
 from kiln.compiler.lower.kernels import cpu_int8_matmul as K
 from kiln.compiler.targets import parse_target
 
-needs_vnni = pytest.mark.skipif(not parse_target("llvm").int8_dot, reason="this CPU has no AVX-512 VNNI")
+HOST_ISAS = parse_target("llvm").dot_isas()
+needs_dot = pytest.mark.skipif(not HOST_ISAS, reason="this CPU has neither AVX-512 VNNI nor AVX2")
+# Each kernel ISA, skipped where this host lacks it.
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in HOST_ISAS, reason=f"this CPU lacks {isa}"))
+        for isa in K.ISAS]
 
 
 def _build(*funcs):
@@ -39,7 +44,7 @@ def _quantize(lib, x, levels):
     return [a.numpy() for a in out]
 
 
-@needs_vnni
+@needs_dot
 @pytest.mark.parametrize("levels", [1, 2])
 def test_activation_quantizer_matches_numpy(levels):
     rng = np.random.default_rng()
@@ -59,14 +64,15 @@ def test_activation_quantizer_matches_numpy(levels):
         assert (np.abs(back - x) <= step / 2 * 1.001 + 1e-30).all()
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (64, 576)])
-def test_int8_dot_matmul_matches_integer_arithmetic(levels, n, k):
-    """Every row count around the kernel's tile of 4 (tails repeat the last row and are not
-    written): numpy's exact integer block dots, scaled in float64."""
+def test_int8_dot_matmul_matches_integer_arithmetic(levels, n, k, isa):
+    """Every row count around the kernel's row tiles (tails repeat the last row and are not
+    written): numpy's exact integer block dots, scaled in float64. Weights span the full
+    int8 range and activation blocks hit ±127, where AVX2's saturating pair sums would show."""
     rng = np.random.default_rng()
-    lib = _build(("q", K.quantize_rows(k, levels)), ("mm", K.int8_matmul(n, k)))
+    lib = _build(("q", K.quantize_rows(k, levels)), ("mm", K.int8_matmul(n, k, isa)))
     wq = rng.integers(-127, 128, (n, k)).astype(np.int8)
     ws = rng.uniform(0.001, 0.02, (n, k // K.BLOCK)).astype(np.float16).astype(np.float32)
     w, s = tvm.runtime.tensor(K.pack_weight(wq)), tvm.runtime.tensor(K.pack_scales(ws))
@@ -89,13 +95,13 @@ def test_int8_dot_matmul_matches_integer_arithmetic(levels, n, k):
         assert err < (0.03 if levels == 1 else 2e-4)
 
 
-@needs_vnni
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n,k,group", [(32, 32, 32), (96, 64, 32), (64, 128, 64), (32, 256, 128)])
-def test_int4_dot_matmul_matches_numpy(n, k, group):
+def test_int4_dot_matmul_matches_numpy(n, k, group, isa):
     """W4A8: nibbles q in [0, 15] with a scale and minimum per block of ``group``, against
     the dequantized activations times the dequantized weight in float64."""
     rng = np.random.default_rng()
-    lib = _build(("q", K.quantize_rows(k, 1)), ("mm", K4.int4_matmul(n, k, group)))
+    lib = _build(("q", K.quantize_rows(k, 1)), ("mm", K4.int4_matmul(n, k, group, isa)))
     q = rng.integers(0, 16, (n, k)).astype(np.uint8)
     d = rng.uniform(0.001, 0.02, (n, k // group)).astype(np.float16).astype(np.float32)
     low = rng.uniform(-0.2, 0.05, (n, k // group)).astype(np.float16).astype(np.float32)
@@ -215,18 +221,23 @@ def test_int8_activations_are_refused_where_they_cannot_run():
     from kiln.compiler.compile import CompileOptions, default_activations
     from kiln.runtime.quantization import parse_quant
 
-    with pytest.raises(ValueError, match="avx512_vnni"):
-        CompileOptions(parse_target("llvm:x86-64-v3"), quant=parse_quant("w8a8"))
-    with pytest.raises(ValueError, match="avx512_vnni"):
+    with pytest.raises(ValueError, match="avx512_vnni or avx2"):
+        CompileOptions(parse_target("llvm:x86-64-v2"), quant=parse_quant("w8a8"))
+    with pytest.raises(ValueError, match="avx512_vnni or avx2"):
         CompileOptions(parse_target("cuda"), quant=parse_quant("int8", activations="int8"))
+    # x86-64-v3 (AVX2) builds the AVX2 kernels; Zen 4 the VNNI ones.
+    assert parse_target("llvm:x86-64-v3").dot_isa == "avx2" and parse_target("llvm:znver4").dot_isa == "avx512_vnni"
+    CompileOptions(parse_target("llvm:x86-64-v3"), quant=parse_quant("w8a8"))
     with pytest.raises(ValueError, match="int8 or int4 weights"):
         parse_quant("fp16", activations="int8")
     assert parse_quant("w4a8").scheme.name == "int4-g32" and parse_quant("int4-g64", activations="int8").name == "int4-g64"
     assert parse_quant("w8a8", activations="float32").activations == "float32"
     assert parse_quant("w8a8").name == "w8a8" and parse_quant("int8", activations="int8").name == "w8a8"
-    # kiln compile's default: int8 activations for int8 and int4 weights where the CPU has VNNI.
+    # kiln compile's default: int8 activations for int8 and int4 weights where the CPU has
+    # integer dot products (VNNI or AVX2).
     host = parse_target("llvm")
     assert default_activations("int8", host) == ("int8" if host.int8_dot else None)
-    assert default_activations("int8", parse_target("llvm:x86-64-v3")) is None
+    assert default_activations("int8", parse_target("llvm:x86-64-v3")) == "int8"
+    assert default_activations("int8", parse_target("llvm:x86-64-v2")) is None
     assert default_activations("int4-g32", host) == ("int8" if host.int8_dot else None)
     assert default_activations("fp32", host) is None and default_activations("fp16", host) is None

@@ -205,7 +205,7 @@ def _quantized_onnx(checkpoint_dir, quant):
 @pytest.mark.parametrize("variant,scheme", [("llama", "int8"), ("llama", "int4-g32"), ("qwen2", "int4-g128"),
                                             ("qwen2", "fp16"),
                                             *(pytest.param(v, s, marks=pytest.mark.skipif(
-                                                not parse_target("llvm").int8_dot, reason="no AVX-512 VNNI"))
+                                                not parse_target("llvm").int8_dot, reason="no AVX-512 VNNI or AVX2"))
                                               for v, s in (("qwen2", "w8a8"), ("llama", "w4a8")))])
 def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path, checkpoint, variant, scheme):
     """The compiled int8 / int4 / fp16 / w8a8 / w4a8 artifact computes what onnxruntime computes on
@@ -232,7 +232,7 @@ def test_quantized_artifact_matches_onnxruntime_on_the_quantized_graph(tmp_path,
     quantized = [p for p in m.params if p.name.endswith(".qweight" if kind != "fp16" else ".fp16")]
     # Every projection (7 per layer), the embedding and (untied) the LM head.
     assert len(quantized) >= 7 * m.model.num_layers + 1
-    # int8 weights multiplied by int8 activations are stored q + 128 for the VNNI kernels.
+    # int8 weights multiplied by int8 activations are stored q + 128 for the dot-product kernels.
     dtypes = {"int8": "uint8" if quant.activations == "int8" else "int8", "int4": "uint8", "fp16": "float16"}
     for p in quantized:
         # The embedding table and the LM head take the scheme's table kind (int8 for int4).

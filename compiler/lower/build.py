@@ -44,7 +44,8 @@ def relax_module(graphs: dict[str, ir.Model], target: TargetSpec, config: ModelC
 
     cpu = target.kind == "llvm"
     layout = KVLayout.of(config, kv_dtype)
-    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=cpu, row_tiles=cpu, kv_dtype=kv_dtype)
+    mod, params = import_graphs(graphs, static_dims=static_dims, float_panels=cpu, row_tiles=cpu, kv_dtype=kv_dtype,
+                                 dot_isa=target.dot_isa)
     bb = relax.BlockBuilder(mod)
     add_kv_cache_factory(bb, config, target.tvm_target(), layout)
     mod = bb.get()

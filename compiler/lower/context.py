@@ -45,6 +45,9 @@ class ConvertContext:
     row_tiles: bool = False
     # Data names of int8 weights stored for the dot-product kernels (``ParamTable.int8_dot``).
     int8_dot: frozenset = frozenset()
+    # The ISA the dot-product kernels build for (``kernels/cpu_int8_matmul.ISAS``): the
+    # target's best (``TargetSpec.dot_isa``); None where the target has none.
+    dot_isa: str | None = None
     # Activations quantized by a QuantizeActivations node, by its output name: [x, (xq, xs, xc) once emitted].
     int8_activations: dict = field(default_factory=dict)
 

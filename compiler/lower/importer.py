@@ -107,19 +107,20 @@ def param_arrays(graphs: dict[str, ir.Model], params: ParamTable) -> list[np.nda
 def import_graphs(graphs: dict[str, ir.Model], params: ParamTable | None = None,
                   static_dims: dict[str, dict[str, int]] | None = None,
                   float_panels: bool = False, row_tiles: bool = False,
-                  kv_dtype: str = "float32") -> tuple[tvm.IRModule, ParamTable]:
+                  kv_dtype: str = "float32", dot_isa: str | None = None) -> tuple[tvm.IRModule, ParamTable]:
     """``static_dims[fname]``: ONNX dim names fixed to a size in that function (a static
     bucket of a dynamic graph: every kernel it calls gets static shapes). ``float_panels``:
     store float32 projection weights as panels (CPU targets; ignored when ``params`` is
     given: its own choice holds). ``row_tiles``: ``ConvertContext.row_tiles`` (CPU targets).
-    ``kv_dtype``: how the paged KV cache stores K / V (``ConvertContext.kv_dtype``)."""
+    ``kv_dtype``: how the paged KV cache stores K / V (``ConvertContext.kv_dtype``).
+    ``dot_isa``: what int8-activation matmuls build for (``ConvertContext.dot_isa``)."""
     params = params or collect_params(graphs, float_panels)
     panels = {s.data: s for s in weight_storages(graphs.items(), True).values()
               if s.kind == "fp32"} if params.float_panels else {}
     bb = relax.BlockBuilder()
     for fname, model in graphs.items():
         _import_function(bb, fname, model.graph, params, (static_dims or {}).get(fname, {}), panels, row_tiles,
-                         kv_dtype)
+                         kv_dtype, dot_isa)
     return bb.get(), params
 
 
@@ -131,9 +132,10 @@ def _many_tokens(graph: ir.Graph) -> bool:
 
 
 def _import_function(bb: relax.BlockBuilder, fname: str, graph: ir.Graph, params: ParamTable,
-                     static_dims: dict[str, int], panels: dict, row_tiles: bool, kv_dtype: str) -> None:
+                     static_dims: dict[str, int], panels: dict, row_tiles: bool, kv_dtype: str,
+                     dot_isa: str | None) -> None:
     ctx = ConvertContext(bb=bb, many_tokens=_many_tokens(graph), row_tiles=row_tiles, kv_dtype=kv_dtype,
-                         int8_dot=params.int8_dot,
+                         int8_dot=params.int8_dot, dot_isa=dot_isa,
                          dims={name: tvm.tirx.IntImm("int64", size) for name, size in static_dims.items()})
     inputs = [relax.Var(v.name.replace(".", "_"), relax.TensorType(ctx.shape_of(v), relax_dtype(v.dtype)))
               for v in graph.inputs]

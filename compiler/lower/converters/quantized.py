@@ -154,8 +154,8 @@ def _kernel(ctx, name: str, make):
 
 def _int8_dot_matmul(ctx, activation: list, ref: QuantizedRef) -> relax.Expr:
     """x [..., K] @ W.T as int8 dot products: x quantized once per activation (the levels,
-    scales and offsets kept for its other matmuls), then one VNNI kernel per weight (int8
-    or int4). With two levels each row of x is two rows of levels, whose outputs are summed."""
+    scales and offsets kept for its other matmuls), then one dot-product kernel per weight
+    (int8 or int4) for the target's ISA. With two levels each row of x is two rows of levels, whose outputs are summed."""
     x, _, levels = activation
     *lead, k = shape(x)
     n, k = ref.storage.rows, int(k)
@@ -170,11 +170,15 @@ def _int8_dot_matmul(ctx, activation: list, ref: QuantizedRef) -> relax.Expr:
             relax.TensorType([rows * levels, k], "int8"), relax.TensorType([rows * levels, nb], "float32"),
             relax.TensorType([rows * levels, nb], "int32")]))
         activation[1] = tuple(ctx.bb.emit(relax.TupleGetItem(out, i)) for i in range(3))
+    isa = ctx.dot_isa
+    if isa is None:
+        raise ValueError(f"{ref.storage.data}: int8 activations need a target with integer dot products "
+                         "(AVX-512 VNNI or AVX2)")
     if ref.storage.kind == "int4":
         g = ref.storage.group_size
-        gv = _kernel(ctx, f"int4_dot_matmul_n{n}_k{k}_g{g}", lambda: int4_kernels.int4_matmul(n, k, g))
+        gv = _kernel(ctx, f"int4_dot_matmul_n{n}_k{k}_g{g}", lambda: int4_kernels.int4_matmul(n, k, g, isa))
     else:
-        gv = _kernel(ctx, f"int8_dot_matmul_n{n}_k{k}", lambda: int8_kernels.int8_matmul(n, k))
+        gv = _kernel(ctx, f"int8_dot_matmul_n{n}_k{k}", lambda: int8_kernels.int8_matmul(n, k, isa))
     y = ctx.bb.emit(relax.call_tir(gv, [*activation[1], *ref.args],
                                    out_ty=relax.TensorType([rows * levels, n], "float32")))
     if levels > 1:

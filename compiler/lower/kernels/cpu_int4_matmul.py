@@ -16,6 +16,10 @@ and row r, the 4 bytes at ``((g * 2 + v) * 16 + r) * 4 + j`` hold input ``8g + j
 low nibble and ``8g + 4 + j`` in their high one, so one 64-byte load is two dot-product
 operands (an AND, and a shift and an AND); scale and minimum float16 [N / 16, K / G * 16]
 as the int8 scales.
+
+On AVX2 (``vpmaddubsw``, see the int8 kernel) a nibble times a level pair-sums to at most
+2 * 15 * 127 = 3810, so the four products of an activation block add up in int16 (at most
+15240) and go through ``vpmaddwd`` once per block.
 """
 
 from __future__ import annotations
@@ -23,28 +27,111 @@ from __future__ import annotations
 import numpy as np
 from tvm.script import tirx as T
 
-from .cpu_int8_matmul import ACT_BLOCK, LANES, ROWS, VECTORS, WEIGHT_TILE, _dot, pack_scales, store_rows, zero
+from .cpu_int8_matmul import (ACT_BLOCK, ISAS, LANES, PMADDUBSW, PMADDWD, VECTORS, WEIGHT_TILE, dot_unsigned,
+                              pack_scales, store_macro, zero_macro)
 
 GROUP = 8  # inputs per byte group: 4 bytes of two nibbles
+LOW = 0x0F0F0F0F  # the low nibble of every byte of a word
 
 
 def supports(n: int, k: int, group: int) -> bool:
     return n % WEIGHT_TILE == 0 and k % 32 == 0 and group % ACT_BLOCK == 0 and k % group == 0 and n > 0
 
 
-def int4_matmul(n: int, k: int, group: int):
+def _block_dots(spec, rows: int):
+    """A macro: iacc (int32 accumulators of the tile) = the nibble . level dot products of
+    activation block ``a`` for rows first.., as the ISA best adds them."""
+    nv, lanes = spec.vectors, spec.lanes
+    groups = ACT_BLOCK // GROUP  # byte groups per activation block
+    zero = zero_macro(lanes, rows * nv)
+    zero16 = zero_macro(2 * lanes, rows * nv)
+    i16 = f"int16x{2 * lanes}"
+    b8 = f"int8x{4 * lanes}"
+
+    @T.macro
+    def vnni(iacc, pacc, w4, xq4, t, a, first):
+        zero(iacc, 0)
+        for g in T.unroll(groups):
+            for v in T.unroll(nv):
+                packed = w4[t, T.ramp(((a * groups + g) * nv + v) * lanes, 1, lanes)]
+                for mi in T.unroll(rows):
+                    word = (a * groups + g) * 2  # inputs 8g.. as words of 4
+                    iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)] = dot_unsigned(spec, dot_unsigned(
+                        spec, iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)],
+                        packed & T.broadcast(LOW, lanes), T.broadcast(xq4[first + mi, word], lanes)),
+                        T.shift_right(packed, T.broadcast(4, lanes)) & T.broadcast(LOW, lanes),
+                        T.broadcast(xq4[first + mi, word + 1], lanes))
+
+    @T.macro
+    def avx2(iacc, pacc, w4, xq4, t, a, first):
+        zero16(pacc, T.int16(0))
+        for g in T.unroll(groups):
+            for v in T.unroll(nv):
+                packed = w4[t, T.ramp(((a * groups + g) * nv + v) * lanes, 1, lanes)]
+                for mi in T.unroll(rows):
+                    word = (a * groups + g) * 2
+                    pacc[T.ramp((mi * nv + v) * 2 * lanes, 1, 2 * lanes)] = (
+                        pacc[T.ramp((mi * nv + v) * 2 * lanes, 1, 2 * lanes)]
+                        + T.call_llvm_pure_intrin(i16, T.llvm_lookup_intrinsic_id(PMADDUBSW),
+                                                  T.reinterpret(packed & T.broadcast(LOW, lanes), dtype=b8),
+                                                  T.reinterpret(T.broadcast(xq4[first + mi, word], lanes), dtype=b8))
+                        + T.call_llvm_pure_intrin(i16, T.llvm_lookup_intrinsic_id(PMADDUBSW),
+                                                  T.reinterpret(T.shift_right(packed, T.broadcast(4, lanes))
+                                                                & T.broadcast(LOW, lanes), dtype=b8),
+                                                  T.reinterpret(T.broadcast(xq4[first + mi, word + 1], lanes),
+                                                                dtype=b8)))
+        for i in T.unroll(rows * nv):
+            iacc[T.ramp(i * lanes, 1, lanes)] = T.call_llvm_pure_intrin(
+                spec.vec("int32"), T.llvm_lookup_intrinsic_id(PMADDWD), pacc[T.ramp(i * 2 * lanes, 1, 2 * lanes)],
+                T.broadcast(T.int16(1), 2 * lanes))
+
+    return vnni if spec.name == "avx512_vnni" else avx2
+
+
+def int4_matmul(n: int, k: int, group: int, isa: str = "avx512_vnni"):
     """out float32 [M, N] from the int8 activation quantizer's (xq, xs, xc) and the stored
-    int4 weight (data, scale, minimum); tasks and tails as ``int8_matmul``."""
+    int4 weight (data, scale, minimum); tasks and row tiles as ``int8_matmul``."""
     if not supports(n, k, group):
         raise ValueError(f"int4_matmul: N ({n}) must divide by {WEIGHT_TILE}, K ({k}) by 32 and by the block "
                          f"({group}), the block by {ACT_BLOCK}")
+    spec = ISAS[isa]
     nb = k // group
     na = k // ACT_BLOCK
     per_block = group // ACT_BLOCK  # activation blocks per weight block
-    groups = ACT_BLOCK // GROUP  # byte groups per activation block
     tiles = n // WEIGHT_TILE
-    nv, mt = VECTORS, ROWS
-    low = 0x0F0F0F0F
+    nv, mt, lanes = spec.vectors, spec.rows, spec.lanes
+    f32 = spec.vec("float32")
+
+    def rows_macro(rows: int):
+        zero, store = zero_macro(lanes, rows * nv), store_macro(spec, rows)
+        block_dots = _block_dots(spec, rows)
+
+        @T.macro
+        def tile_rows(xq4, xs, xc, w4, wd, wm, out, facc, iacc, pacc, t, first):
+            """Rows first..first + rows of output tile t."""
+            zero(facc, T.float32(0))
+            for a in T.serial(na):
+                b: T.let[T.int32] = a // per_block  # the weight block
+                block_dots(iacc, pacc, w4, xq4, t, a, first)
+                for v in T.unroll(nv):
+                    for mi in T.unroll(rows):
+                        # s * sum(x_q) = s * xc / -128
+                        total: T.let[T.float32] = xs[first + mi, a] * T.Cast("float32", xc[first + mi, a]) * T.float32(
+                            -1 / 128)
+                        facc[T.ramp((mi * nv + v) * lanes, 1, lanes)] = (
+                            facc[T.ramp((mi * nv + v) * lanes, 1, lanes)]
+                            + T.Cast(f32, iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)])
+                            * (T.Cast(f32, wd[t * VECTORS + v * lanes // LANES,
+                                              T.ramp(b * LANES + v * lanes % LANES, 1, lanes)])
+                               * T.broadcast(xs[first + mi, a], lanes))
+                            + T.Cast(f32, wm[t * VECTORS + v * lanes // LANES,
+                                             T.ramp(b * LANES + v * lanes % LANES, 1, lanes)])
+                            * T.broadcast(total, lanes))
+            store(out, facc, t, first)
+
+        return tile_rows
+
+    full, single = rows_macro(mt), rows_macro(1)
 
     @T.prim_func(s_tir=True)
     def int4_dot_matmul(xq_h: T.handle, xs_h: T.handle, xc_h: T.handle, w_h: T.handle, wd_h: T.handle,
@@ -54,7 +141,7 @@ def int4_matmul(n: int, k: int, group: int):
         xq = T.match_buffer(xq_h, (m, k), "int8")
         xs = T.match_buffer(xs_h, (m, na), "float32")
         xc = T.match_buffer(xc_h, (m, na), "int32")
-        w = T.match_buffer(w_h, (tiles, k * LANES), "uint8")
+        w = T.match_buffer(w_h, (tiles, k * WEIGHT_TILE // 2), "uint8")
         wd = T.match_buffer(wd_h, (n // LANES, nb * LANES), "float16")
         wm = T.match_buffer(wm_h, (n // LANES, nb * LANES), "float16")
         out = T.match_buffer(out_h, (m, n), "float32")
@@ -64,39 +151,13 @@ def int4_matmul(n: int, k: int, group: int):
             with T.sblock("tile"):
                 T.reads()
                 T.writes()
-                facc = T.sblock_alloc_buffer((mt * nv * LANES,), "float32")
-                iacc = T.sblock_alloc_buffer((mt * nv * LANES,), "int32")
-                for mo in T.serial((m + mt - 1) // mt):
-                    zero(facc, T.float32(0))
-                    for a in T.serial(na):
-                        b: T.let[T.int32] = a // per_block  # the weight block
-                        zero(iacc, 0)
-                        for g in T.unroll(groups):
-                            for v in T.unroll(nv):
-                                packed: T.let[T.int32x16] = w4[t, T.ramp(((a * groups + g) * nv + v) * LANES, 1,
-                                                                         LANES)]
-                                for mi in T.unroll(mt):
-                                    row: T.let[T.int64] = T.min(mo * mt + mi, m - 1)
-                                    word: T.let[T.int32] = (a * groups + g) * 2  # inputs 8g.. as words of 4
-                                    iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)] = _dot(_dot(
-                                        iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)],
-                                        packed & T.broadcast(low, LANES), T.broadcast(xq4[row, word], LANES)),
-                                        T.shift_right(packed, T.broadcast(4, LANES)) & T.broadcast(low, LANES),
-                                        T.broadcast(xq4[row, word + 1], LANES))
-                        for v in T.unroll(nv):
-                            for mi in T.unroll(mt):
-                                row: T.let[T.int64] = T.min(mo * mt + mi, m - 1)
-                                # s * sum(x_q) = s * xc / -128
-                                total: T.let[T.float32] = xs[row, a] * T.Cast("float32", xc[row, a]) * T.float32(
-                                    -1 / 128)
-                                facc[T.ramp((mi * nv + v) * LANES, 1, LANES)] = (
-                                    facc[T.ramp((mi * nv + v) * LANES, 1, LANES)]
-                                    + T.Cast("float32x16", iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)])
-                                    * (T.Cast("float32x16", wd[t * nv + v, T.ramp(b * LANES, 1, LANES)])
-                                       * T.broadcast(xs[row, a], LANES))
-                                    + T.Cast("float32x16", wm[t * nv + v, T.ramp(b * LANES, 1, LANES)])
-                                    * T.broadcast(total, LANES))
-                    store_rows(out, facc, m, mo, t)
+                facc = T.sblock_alloc_buffer((mt * nv * lanes,), "float32")
+                iacc = T.sblock_alloc_buffer((mt * nv * lanes,), "int32")
+                pacc = T.sblock_alloc_buffer((mt * nv * 2 * lanes,), "int16")  # AVX2's int16 sums
+                for mo in T.serial(m // mt):
+                    full(xq4, xs, xc, w4, wd, wm, out, facc, iacc, pacc, t, mo * mt)
+                for r in T.serial(m % mt):
+                    single(xq4, xs, xc, w4, wd, wm, out, facc, iacc, pacc, t, m // mt * mt + r)
 
     return int4_dot_matmul
 

@@ -24,7 +24,16 @@ per row and block (``xc = -128 * sum``) and each block's int32 accumulators star
 Per activation block and row: 4 ``vpdpbusd`` for 16 outputs x 16 inputs, then one
 int -> float conversion and one FMA by ``s_w * s_x`` (float32 FMA would take 16).
 
-Weight layout (``WEIGHT_TILE`` = 32 output rows a task, two vectors of 16):
+CPUs with AVX2 but no VNNI (Zen 2/3, Haswell..Alder Lake's AVX2 mode) multiply the same
+stored bytes with ``vpmaddubsw`` (unsigned x signed bytes, adjacent pairs summed into
+int16, *saturating*) then ``vpmaddwd`` against ones (pairs of int16 into int32): 8 int32
+lanes, so 8 output rows a vector and 4 vectors a tile. ``q + 128`` times an int8 level can
+pair-sum past int16 (2 * 255 * 127), so there the weight is turned back into ``q`` (XOR
+0x80, once per loaded vector) and the sign moves onto it, as llama.cpp's AVX2 q8_0 dot
+does: ``|x| * (q * sign(x))`` with both factors within 127, pair sums within 32258. The
+accumulators then start at 0, not at the offset term.
+
+Weight layout (``WEIGHT_TILE`` = 32 output rows a task, the same bytes for every ISA):
 data uint8 [N / 32, K * 32]: w[r, c] + 128 at
 ``[r // 32, ((c // 4) * 2 + (r % 32) // 16) * 64 + (r % 16) * 4 + c % 4]``, so a task
 streams one contiguous region, 128 bytes (both vectors) per 4 inputs;
@@ -33,18 +42,46 @@ scale float16 [N / 16, K / 32 * 16]: s[r, b] at ``[r // 16, b * 16 + r % 16]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from tvm.script import tirx as T
 
 BLOCK = 32  # inputs per weight scale block
 ACT_BLOCK = 16  # inputs per activation scale block
-LANES = 16  # int32 lanes of a zmm register: output rows per vector
-VECTORS = 2  # vectors of output rows per task
-WEIGHT_TILE = LANES * VECTORS
-ROWS = 4  # activation rows per tile: ROWS * VECTORS int32 and float32 accumulators
+LANES = 16  # stored scales come in groups of 16 output rows (one zmm vector, two ymm)
+VECTORS = 2  # storage: groups of 16 rows per tile
+WEIGHT_TILE = LANES * VECTORS  # output rows per task and per stored tile
 TINY = 1e-30  # an all-zero block's amax floor: its scale stays finite, its levels 0
 Q_MAX = 127
 VPDPBUSD = "llvm.x86.avx512.vpdpbusd.512"
+PMADDUBSW = "llvm.x86.avx2.pmadd.ub.sw"  # u8 x s8 -> int16 pair sums (saturating)
+PMADDWD = "llvm.x86.avx2.pmadd.wd"  # int16 x int16 -> int32 pair sums
+PSIGNB = "llvm.x86.avx2.psign.b"  # a * sign(b) per byte (0 where b is 0)
+SIGN_BITS = -0x7F7F7F80  # 0x80808080 as an int32 word: XOR turns q + 128 back into q
+
+
+@dataclass(frozen=True)
+class DotISA:
+    """How a CPU multiplies bytes: its int32 lanes per vector, and the register tile
+    (``rows`` activation rows x ``vectors`` vectors of output rows, two accumulators each)."""
+
+    name: str
+    lanes: int
+    rows: int
+
+    @property
+    def vectors(self) -> int:
+        return WEIGHT_TILE // self.lanes
+
+    def vec(self, dtype: str) -> str:
+        return f"{dtype}x{self.lanes}"
+
+
+# AVX-512 VNNI: 32 zmm registers hold 4 x 2 int32 and float32 accumulators. AVX2: 16 ymm
+# registers; 2 rows x 4 vectors of accumulators leave the rest for operands.
+ISAS = {"avx512_vnni": DotISA("avx512_vnni", 16, 4), "avx2": DotISA("avx2", 8, 2)}
+ROWS = ISAS["avx512_vnni"].rows
 
 
 def supports(n: int, k: int) -> bool:
@@ -52,27 +89,57 @@ def supports(n: int, k: int) -> bool:
     return n % WEIGHT_TILE == 0 and k % BLOCK == 0 and n > 0 and k > 0
 
 
-def _dot(acc, unsigned, signed):
-    """acc[i] += sum_j unsigned[4i + j] * signed[4i + j] (int32x16; bytes as int32 words)."""
-    return T.call_llvm_pure_intrin("int32x16", T.llvm_lookup_intrinsic_id(VPDPBUSD), acc,
-                                   T.reinterpret(unsigned, dtype="int8x64"), T.reinterpret(signed, dtype="int8x64"))
+def dot_unsigned(isa: DotISA, acc, unsigned, signed):
+    """acc[i] += sum_j unsigned[4i + j] * signed[4i + j] (int32 lanes; bytes as int32 words).
+    On AVX2 every pair sum must stay within int16: unsigned * |signed| <= 16383."""
+    bytes_ = isa.vec("int8").replace(f"x{isa.lanes}", f"x{4 * isa.lanes}")
+    u, s = T.reinterpret(unsigned, dtype=bytes_), T.reinterpret(signed, dtype=bytes_)
+    if isa.name == "avx512_vnni":
+        return T.call_llvm_pure_intrin(isa.vec("int32"), T.llvm_lookup_intrinsic_id(VPDPBUSD), acc, u, s)
+    pairs = T.call_llvm_pure_intrin(f"int16x{2 * isa.lanes}", T.llvm_lookup_intrinsic_id(PMADDUBSW), u, s)
+    return acc + T.call_llvm_pure_intrin(isa.vec("int32"), T.llvm_lookup_intrinsic_id(PMADDWD), pairs,
+                                         T.broadcast(T.int16(1), 2 * isa.lanes))
 
 
-@T.macro
-def zero(acc, value):
-    """All ROWS x VECTORS accumulators of a tile = value."""
-    for i in T.unroll(ROWS * VECTORS):
-        acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(value, LANES)
+def dot_stored_int8(isa: DotISA, acc, stored, signed):
+    """acc[i] += sum_j w[4i + j] * signed[4i + j] for a stored int8 weight (``q + 128``):
+    on VNNI the offset is in the accumulator's start (``xc``); on AVX2 (module docstring)
+    ``|x| * (q * sign(x))``, whose accumulators start at 0."""
+    if isa.name == "avx512_vnni":
+        return dot_unsigned(isa, acc, stored, signed)
+    bytes_ = f"int8x{4 * isa.lanes}"
+    q = T.reinterpret(stored ^ T.broadcast(T.int32(SIGN_BITS), isa.lanes), dtype=bytes_)
+    x = T.reinterpret(signed, dtype=bytes_)
+    sign = T.llvm_lookup_intrinsic_id(PSIGNB)
+    pairs = T.call_llvm_pure_intrin(f"int16x{2 * isa.lanes}", T.llvm_lookup_intrinsic_id(PMADDUBSW),
+                                    T.call_llvm_pure_intrin(bytes_, sign, x, x),
+                                    T.call_llvm_pure_intrin(bytes_, sign, q, x))
+    return acc + T.call_llvm_pure_intrin(isa.vec("int32"), T.llvm_lookup_intrinsic_id(PMADDWD), pairs,
+                                         T.broadcast(T.int16(1), 2 * isa.lanes))
 
 
-@T.macro
-def store_rows(out, facc, m, mo, t):
-    """The tile's float accumulators -> out rows mo * ROWS.. (those below m), columns of tile t."""
-    for mi in T.unroll(ROWS):
-        if mo * ROWS + mi < m:
-            for v in T.unroll(VECTORS):
-                out[mo * ROWS + mi, T.ramp((t * VECTORS + v) * LANES, 1, LANES)] = facc[
-                    T.ramp((mi * VECTORS + v) * LANES, 1, LANES)]
+def zero_macro(lanes: int, vectors: int):
+    """A macro: the first ``vectors`` accumulator vectors of ``lanes`` lanes = value."""
+
+    @T.macro
+    def zero(acc, value):
+        for i in T.unroll(vectors):
+            acc[T.ramp(i * lanes, 1, lanes)] = T.broadcast(value, lanes)
+
+    return zero
+
+
+def store_macro(spec: DotISA, rows: int):
+    """A macro: a tile's float accumulators -> out rows first.., the columns of tile t."""
+    lanes, nv = spec.lanes, spec.vectors
+
+    @T.macro
+    def store(out, facc, t, first):
+        for mi in T.unroll(rows):
+            for v in T.unroll(nv):
+                out[first + mi, T.ramp((t * nv + v) * lanes, 1, lanes)] = facc[T.ramp((mi * nv + v) * lanes, 1, lanes)]
+
+    return store
 
 
 def quantize_rows(k: int, levels: int = 1):
@@ -122,18 +189,55 @@ def quantize_rows(k: int, levels: int = 1):
     return quantize_activations_int8
 
 
-def int8_matmul(n: int, k: int):
+def int8_matmul(n: int, k: int, isa: str = "avx512_vnni"):
     """out float32 [M, N] = (xq [M, K] . w [N, K]) with per-block scales (module docstring).
-    Tasks: N / 32 tiles of output rows, over the cores; each takes the M rows ROWS at a
-    time (rows past M repeat row M - 1 and are not written), keeping ROWS x 2 int32 and
-    float32 accumulators in registers."""
+    Tasks: N / 32 tiles of output rows, over the cores; each takes the M rows isa.rows at a
+    time, then the last M % rows one at a time (a decode step's single row does no
+    padding work), keeping rows x vectors int32 and float32 accumulators in registers."""
     if not supports(n, k):
         raise ValueError(f"int8_matmul: N ({n}) must divide by {WEIGHT_TILE} and K ({k}) by {BLOCK}")
+    spec = ISAS[isa]
     nb = k // BLOCK
     halves = BLOCK // ACT_BLOCK  # activation blocks per weight block
-    steps = ACT_BLOCK // 4  # vpdpbusd steps per activation block
+    steps = ACT_BLOCK // 4  # dot steps (4 inputs) per activation block
     tiles = n // WEIGHT_TILE
-    nv, mt = VECTORS, ROWS
+    nv, mt, lanes = spec.vectors, spec.rows, spec.lanes
+    f32 = spec.vec("float32")
+    offset = spec.name == "avx512_vnni"  # accumulators start at the q + 128 offset term
+
+    def rows_macro(rows: int):
+        zero, store = zero_macro(lanes, rows * nv), store_macro(spec, rows)
+
+        @T.macro
+        def tile_rows(xq4, xs, xc, w4, ws, out, facc, iacc, t, first):
+            """Rows first..first + rows of output tile t."""
+            zero(facc, T.float32(0))
+            for b, h in T.grid(nb, halves):
+                a: T.let[T.int32] = b * halves + h  # the activation block
+                for mi in T.unroll(rows):
+                    for v in T.unroll(nv):
+                        iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)] = T.broadcast(
+                            T.if_then_else(offset, xc[first + mi, a], 0), lanes)
+                for s in T.unroll(steps):
+                    for v in T.unroll(nv):
+                        for mi in T.unroll(rows):
+                            iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)] = dot_stored_int8(
+                                spec, iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)],
+                                w4[t, T.ramp(((a * steps + s) * nv + v) * lanes, 1, lanes)],
+                                T.broadcast(xq4[first + mi, a * steps + s], lanes))
+                for v in T.unroll(nv):
+                    for mi in T.unroll(rows):
+                        facc[T.ramp((mi * nv + v) * lanes, 1, lanes)] = (
+                            facc[T.ramp((mi * nv + v) * lanes, 1, lanes)]
+                            + T.Cast(f32, iacc[T.ramp((mi * nv + v) * lanes, 1, lanes)])
+                            * (T.Cast(f32, ws[t * VECTORS + v * lanes // LANES,
+                                              T.ramp(b * LANES + v * lanes % LANES, 1, lanes)])
+                               * T.broadcast(xs[first + mi, a], lanes)))
+            store(out, facc, t, first)
+
+        return tile_rows
+
+    full, single = rows_macro(mt), rows_macro(1)
 
     @T.prim_func(s_tir=True)
     def int8_dot_matmul(xq_h: T.handle, xs_h: T.handle, xc_h: T.handle, w_h: T.handle, ws_h: T.handle,
@@ -153,31 +257,12 @@ def int8_matmul(n: int, k: int):
                 T.reads()
                 T.writes()
                 # Small constant-size block buffers become stack allocas LLVM keeps in registers.
-                facc = T.sblock_alloc_buffer((mt * nv * LANES,), "float32")
-                iacc = T.sblock_alloc_buffer((mt * nv * LANES,), "int32")
-                for mo in T.serial((m + mt - 1) // mt):
-                    zero(facc, T.float32(0))
-                    for b, h in T.grid(nb, halves):
-                        a: T.let[T.int32] = b * halves + h  # the activation block
-                        for mi in T.unroll(mt):
-                            for v in T.unroll(nv):
-                                iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)] = T.broadcast(
-                                    xc[T.min(mo * mt + mi, m - 1), a], LANES)
-                        for s in T.unroll(steps):
-                            for v in T.unroll(nv):
-                                for mi in T.unroll(mt):
-                                    iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)] = _dot(
-                                        iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)],
-                                        w4[t, T.ramp(((a * steps + s) * nv + v) * LANES, 1, LANES)],
-                                        T.broadcast(xq4[T.min(mo * mt + mi, m - 1), a * steps + s], LANES))
-                        for v in T.unroll(nv):
-                            for mi in T.unroll(mt):
-                                facc[T.ramp((mi * nv + v) * LANES, 1, LANES)] = (
-                                    facc[T.ramp((mi * nv + v) * LANES, 1, LANES)]
-                                    + T.Cast("float32x16", iacc[T.ramp((mi * nv + v) * LANES, 1, LANES)])
-                                    * (T.Cast("float32x16", ws[t * nv + v, T.ramp(b * LANES, 1, LANES)])
-                                       * T.broadcast(xs[T.min(mo * mt + mi, m - 1), a], LANES)))
-                    store_rows(out, facc, m, mo, t)
+                facc = T.sblock_alloc_buffer((mt * nv * lanes,), "float32")
+                iacc = T.sblock_alloc_buffer((mt * nv * lanes,), "int32")
+                for mo in T.serial(m // mt):
+                    full(xq4, xs, xc, w4, ws, out, facc, iacc, t, mo * mt)
+                for r in T.serial(m % mt):
+                    single(xq4, xs, xc, w4, ws, out, facc, iacc, t, m // mt * mt + r)
 
     return int8_dot_matmul
 
